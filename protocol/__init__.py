@@ -1,0 +1,56 @@
+"""The Elastic Sync Protocol on the wire: messages, payload encodings, manifest, codec.
+
+Knows bytes, tensors and messages; nothing of training.
+"""
+
+from protocol.codec import DEFAULT_LIMITS, Limits, decode, encode
+from protocol.errors import ProtocolError, Reason
+from protocol.manifest import LayerSpec, Manifest
+from protocol.messages import (
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    Ack,
+    Commit,
+    Heartbeat,
+    Hello,
+    LayerGradient,
+    LayerTensor,
+    Message,
+    Model,
+    ModelRequest,
+    Push,
+    Reject,
+    Welcome,
+)
+from protocol.payload import ENCODINGS, FLOAT_DTYPES, Dense, LowRank, Payload, TopK
+
+__all__ = [
+    "DEFAULT_LIMITS",
+    "ENCODINGS",
+    "FLOAT_DTYPES",
+    "MESSAGE_TYPES",
+    "PROTOCOL_VERSION",
+    "Ack",
+    "Commit",
+    "Dense",
+    "Heartbeat",
+    "Hello",
+    "LayerGradient",
+    "LayerSpec",
+    "LayerTensor",
+    "Limits",
+    "LowRank",
+    "Manifest",
+    "Message",
+    "Model",
+    "ModelRequest",
+    "Payload",
+    "ProtocolError",
+    "Push",
+    "Reason",
+    "Reject",
+    "TopK",
+    "Welcome",
+    "decode",
+    "encode",
+]

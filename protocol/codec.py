@@ -1,0 +1,398 @@
+"""Messages to ZeroMQ multipart frames and back: one msgpack header, then raw tensor frames.
+
+`encode` hands ZeroMQ memoryviews of tensor storage (send with copy=False).
+`decode` trusts nothing: every way a frame list can be wrong ends in
+`ProtocolError` with a reason, checked in an order that never allocates for a
+size the sender merely claimed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import torch
+
+from protocol.errors import ProtocolError, Reason
+from protocol.manifest import Manifest
+from protocol.messages import (
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    Kind,
+    LayerGradient,
+    Layers,
+    LayerTensor,
+    Message,
+    Str,
+    UInt,
+)
+from protocol.payload import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    MAX_DIMS,
+    Dense,
+    LowRank,
+    Payload,
+    TopK,
+    checksum,
+    dtype_name,
+    tensor_buffer,
+    tensor_from_buffer,
+)
+
+Frame = Any  # bytes, bytearray, memoryview or zmq.Frame (which has .buffer)
+
+_ENVELOPE = ("v", "type")
+_NAME = Str(512)
+_UINT = UInt()
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Caps the decoder enforces before it looks at (or allocates for) a payload."""
+
+    max_message_bytes: int = 256 * 2**20
+    max_header_bytes: int = 4 * 2**20
+    max_frames: int = 20_001
+    max_layer_elements: int = 2**31 - 1
+    allow_nonfinite: bool = False
+    verify_checksums: bool = True
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type in (int, "int") and (type(value) is not int or value < 1):
+                raise ValueError(f"Limits.{f.name} must be a positive integer, got {value!r}")
+
+
+DEFAULT_LIMITS = Limits()
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def encode(msg: Message) -> list[Any]:
+    """Frames for `socket.send_multipart(frames, copy=False)`.
+
+    Payload frames are views of the tensors: do not modify them until sent.
+    """
+    header: dict[str, object] = {"v": PROTOCOL_VERSION, "type": msg.TYPE}
+    frames: list[Any] = [b""]
+    for f in dataclasses.fields(msg):
+        kind: Kind = f.metadata["wire"]
+        value = getattr(msg, f.name)
+        if isinstance(kind, Layers):
+            header[f.name] = [_describe(layer, kind, frames) for layer in value]
+        else:
+            header[f.name] = kind.to_wire(value)
+    frames[0] = msgpack.packb(header)
+    return frames
+
+
+def _describe(layer: LayerGradient | LayerTensor, kind: Layers, frames: list[Any]) -> dict:
+    payload = layer.payload
+    desc: dict[str, object] = {"name": layer.name}
+    if kind.with_count:
+        desc["count"] = layer.count
+    if isinstance(payload, Dense):
+        desc.update(enc="dense", dtype=dtype_name(payload.tensor.dtype), shape=list(payload.shape))
+        parts = [payload.tensor]
+    elif isinstance(payload, TopK):
+        desc.update(
+            enc="topk",
+            dtype=dtype_name(payload.values.dtype),
+            shape=list(payload.shape),
+            index_dtype=dtype_name(payload.indices.dtype),
+        )
+        parts = [payload.values, payload.indices]
+    elif isinstance(payload, LowRank):
+        desc.update(
+            enc="lowrank",
+            dtype=dtype_name(payload.p.dtype),
+            shape=list(payload.shape),
+            rank=payload.rank,
+        )
+        parts = [payload.p, payload.q]
+    else:
+        raise TypeError(f"layer {layer.name}: unknown payload type {type(payload).__name__}")
+    sums = []
+    for tensor in parts:
+        buf = tensor_buffer(tensor)
+        sums.append(checksum(buf))
+        frames.append(buf)
+    desc["xxh"] = sums
+    return desc
+
+
+# ---------------------------------------------------------------- decoding
+
+
+def decode(
+    frames: Sequence[Frame],
+    *,
+    limits: Limits = DEFAULT_LIMITS,
+    manifest: Manifest | None = None,
+) -> Message:
+    """Parse and validate a multipart message; raises only ProtocolError."""
+    try:
+        return _decode(frames, limits, manifest)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # a check we missed must still not crash a server
+        raise ProtocolError(Reason.MALFORMED, f"undecodable message ({type(exc).__name__}: {exc})") from exc
+
+
+def _decode(frames: Sequence[Frame], limits: Limits, manifest: Manifest | None) -> Message:
+    if not isinstance(frames, (list, tuple)) or not frames:
+        raise ProtocolError(Reason.FRAME_COUNT, "a message needs at least a header frame")
+    if len(frames) > limits.max_frames:
+        raise ProtocolError(Reason.TOO_LARGE, f"{len(frames)} frames, limit {limits.max_frames}")
+    bufs = [_as_bytes(f, i) for i, f in enumerate(frames)]
+    total = sum(len(b) for b in bufs)
+    if total > limits.max_message_bytes:
+        raise ProtocolError(Reason.TOO_LARGE, f"{total} bytes, limit {limits.max_message_bytes}")
+    if len(bufs[0]) > limits.max_header_bytes:
+        raise ProtocolError(
+            Reason.TOO_LARGE, f"header of {len(bufs[0])} bytes, limit {limits.max_header_bytes}"
+        )
+    header = _unpack_header(bufs[0])
+
+    version = header.get("v")
+    if version != PROTOCOL_VERSION or type(version) is not int:
+        raise ProtocolError(
+            Reason.VERSION,
+            f"protocol version {version!r} is not spoken here (this side speaks {PROTOCOL_VERSION})",
+        )
+    mtype = header.get("type")
+    cls = MESSAGE_TYPES.get(mtype) if type(mtype) is str else None
+    if cls is None:
+        raise ProtocolError(Reason.UNKNOWN_TYPE, f"message type {mtype!r} is unknown")
+
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in header:
+        if key not in fields and key not in _ENVELOPE:
+            raise ProtocolError(Reason.UNKNOWN_FIELD, f"{mtype}: unknown field {key!r}")
+
+    values: dict[str, object] = {}
+    payload_frames = bufs[1:]
+    used = 0
+    for name, f in fields.items():
+        where = f"{mtype}.{name}"
+        if name not in header:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ProtocolError(Reason.MISSING_FIELD, f"{where} is required")
+            continue
+        kind: Kind = f.metadata["wire"]
+        if isinstance(kind, Layers):
+            values[name], used = _decode_layers(
+                header[name], kind, payload_frames, used, where, limits, manifest
+            )
+        else:
+            values[name] = kind.check(header[name], where)
+    if used != len(payload_frames):
+        raise ProtocolError(
+            Reason.FRAME_COUNT,
+            f"{mtype}: header describes {used} payload frames, message has {len(payload_frames)}",
+        )
+    return cls(**values)
+
+
+def _as_bytes(frame: Frame, index: int) -> memoryview:
+    buf = getattr(frame, "buffer", frame)  # zmq.Frame exposes its bytes as .buffer
+    if not isinstance(buf, (bytes, bytearray, memoryview)):
+        raise ProtocolError(Reason.MALFORMED, f"frame {index} is a {type(frame).__name__}, not bytes")
+    view = memoryview(buf)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+def _reject_ext(code: int, data: bytes) -> object:
+    raise ProtocolError(Reason.MALFORMED, f"header uses msgpack extension type {code}")
+
+
+def _unpack_header(raw: memoryview) -> dict:
+    try:
+        header = msgpack.unpackb(
+            raw, raw=False, strict_map_key=True, use_list=True, ext_hook=_reject_ext, timestamp=0
+        )
+    except ProtocolError:
+        raise
+    except Exception as exc:
+        raise ProtocolError(Reason.MALFORMED, f"header is not valid msgpack ({exc})") from None
+    if type(header) is not dict:
+        raise ProtocolError(Reason.MALFORMED, f"header is a {type(header).__name__}, not a map")
+    return header
+
+
+def _decode_layers(
+    descs: object,
+    kind: Layers,
+    frames: list[memoryview],
+    used: int,
+    where: str,
+    limits: Limits,
+    manifest: Manifest | None,
+) -> tuple[tuple, int]:
+    if type(descs) is not list:
+        raise ProtocolError(Reason.BAD_FIELD, f"{where}: expected a list of layers")
+    out = []
+    seen: set[str] = set()
+    for i, desc in enumerate(descs):
+        layer, used = _decode_layer(desc, kind, frames, used, f"{where}[{i}]", limits, manifest)
+        if layer.name in seen:
+            raise ProtocolError(Reason.DUPLICATE_LAYER, f"{where}: layer {layer.name} appears twice")
+        seen.add(layer.name)
+        out.append(layer)
+    return tuple(out), used
+
+
+_COMMON_KEYS = {"name", "enc", "dtype", "shape", "xxh"}
+_ENC_KEYS = {"dense": set(), "topk": {"index_dtype"}, "lowrank": {"rank"}}
+
+
+def _decode_layer(
+    desc: object,
+    kind: Layers,
+    frames: list[memoryview],
+    used: int,
+    where: str,
+    limits: Limits,
+    manifest: Manifest | None,
+) -> tuple[LayerGradient | LayerTensor, int]:
+    if type(desc) is not dict:
+        raise ProtocolError(Reason.BAD_FIELD, f"{where}: layer descriptor is not a map")
+    name = _NAME.check(desc.get("name"), f"{where}.name")
+    where = f"{where} ({name})"
+    enc = desc.get("enc")
+    if enc not in _ENC_KEYS:
+        raise ProtocolError(Reason.ENCODING, f"{where}: unknown encoding {enc!r}")
+    if not kind.with_count and enc != "dense":
+        raise ProtocolError(Reason.ENCODING, f"{where}: parameters must be dense, not {enc}")
+    allowed = _COMMON_KEYS | _ENC_KEYS[enc] | ({"count"} if kind.with_count else set())
+    for key in desc:
+        if key not in allowed:
+            raise ProtocolError(Reason.UNKNOWN_FIELD, f"{where}: unknown key {key!r}")
+    for key in allowed:
+        if key not in desc:
+            raise ProtocolError(Reason.MISSING_FIELD, f"{where}: {key} is required")
+
+    dtype = FLOAT_DTYPES.get(desc["dtype"]) if type(desc["dtype"]) is str else None
+    if dtype is None:
+        raise ProtocolError(
+            Reason.DTYPE, f"{where}: dtype {desc['dtype']!r} is not one of {sorted(FLOAT_DTYPES)}"
+        )
+    shape = _check_shape(desc["shape"], where, limits)
+    numel = math.prod(shape)
+    spec = manifest.get(name) if manifest is not None else None
+    if manifest is not None:
+        if spec is None:
+            raise ProtocolError(Reason.UNKNOWN_LAYER, f"{where}: no such layer in the manifest")
+        if spec.shape != shape:
+            raise ProtocolError(
+                Reason.SHAPE, f"{where}: shape {list(shape)}, manifest says {list(spec.shape)}"
+            )
+        if not kind.with_count and desc["dtype"] != spec.dtype:
+            raise ProtocolError(Reason.DTYPE, f"{where}: dtype {desc['dtype']}, manifest says {spec.dtype}")
+
+    # Frame layout per encoding: (dtype, shape) of each frame, from the header alone.
+    if enc == "dense":
+        layout = [(dtype, shape)]
+    elif enc == "topk":
+        idx = INDEX_DTYPES.get(desc["index_dtype"]) if type(desc["index_dtype"]) is str else None
+        if idx is None:
+            raise ProtocolError(
+                Reason.DTYPE, f"{where}: index_dtype {desc['index_dtype']!r} is not int32 or int64"
+            )
+        k = _frame_len(frames, used, where) // dtype.itemsize
+        if k > numel:
+            raise ProtocolError(Reason.ENCODING, f"{where}: top-k sends {k} values for {numel} elements")
+        layout = [(dtype, (k,)), (idx, (k,))]
+    else:
+        rank = _UINT.check(desc["rank"], f"{where}.rank")
+        if len(shape) < 2 or rank < 1 or rank > min(shape[0], numel // max(shape[0], 1)):
+            raise ProtocolError(
+                Reason.ENCODING, f"{where}: rank {rank} is impossible for a layer of shape {list(shape)}"
+            )
+        rows = shape[0]
+        layout = [(dtype, (rows, rank)), (dtype, (numel // rows, rank))]
+
+    sums = desc["xxh"]
+    if type(sums) is not list or len(sums) != len(layout):
+        raise ProtocolError(Reason.BAD_FIELD, f"{where}: xxh must list {len(layout)} checksums")
+    if used + len(layout) > len(frames):
+        raise ProtocolError(Reason.FRAME_COUNT, f"{where}: message ends before this layer's frames")
+
+    tensors = []
+    for j, (fdtype, fshape) in enumerate(layout):
+        buf = frames[used + j]
+        expected = math.prod(fshape) * fdtype.itemsize
+        if len(buf) != expected:
+            raise ProtocolError(
+                Reason.FRAME_SIZE, f"{where}: frame {j} has {len(buf)} bytes, expected {expected}"
+            )
+        if limits.verify_checksums:
+            want = sums[j]
+            if type(want) is not int or not 0 <= want < 2**64:
+                raise ProtocolError(Reason.BAD_FIELD, f"{where}: checksum {j} is not a 64-bit integer")
+            if checksum(buf) != want:
+                raise ProtocolError(Reason.CHECKSUM, f"{where}: frame {j} fails its checksum")
+        tensors.append(tensor_from_buffer(buf, fdtype, fshape))
+    used += len(layout)
+
+    if not limits.allow_nonfinite:
+        for j, tensor in enumerate(tensors):
+            if tensor.is_floating_point() and not _all_finite(tensor):
+                raise ProtocolError(Reason.NONFINITE, f"{where}: frame {j} holds NaN or Inf")
+
+    payload: Payload
+    if enc == "dense":
+        payload = Dense(tensors[0])
+    elif enc == "topk":
+        values, indices = tensors
+        if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= numel):
+            raise ProtocolError(Reason.ENCODING, f"{where}: top-k index outside [0, {numel})")
+        payload = TopK(values, indices, shape)
+    else:
+        payload = LowRank(tensors[0], tensors[1], shape)
+
+    if kind.with_count:
+        count = _UINT.check(desc["count"], f"{where}.count")
+        if count < 1:
+            raise ProtocolError(Reason.BAD_FIELD, f"{where}: count must be at least 1")
+        return LayerGradient(name, payload, count), used
+    return LayerTensor(name, payload), used  # type: ignore[arg-type]
+
+
+def _check_shape(shape: object, where: str, limits: Limits) -> tuple[int, ...]:
+    if type(shape) is not list or len(shape) > MAX_DIMS or any(type(d) is not int or d < 0 for d in shape):
+        raise ProtocolError(
+            Reason.SHAPE, f"{where}: shape must be a list of at most {MAX_DIMS} non-negative integers"
+        )
+    numel = math.prod(shape)
+    if numel > limits.max_layer_elements:
+        raise ProtocolError(Reason.TOO_LARGE, f"{where}: {numel} elements, limit {limits.max_layer_elements}")
+    return tuple(shape)
+
+
+def _frame_len(frames: list[memoryview], index: int, where: str) -> int:
+    if index >= len(frames):
+        raise ProtocolError(Reason.FRAME_COUNT, f"{where}: message ends before this layer's frames")
+    return len(frames[index])
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """One pass at memory speed: any NaN or Inf makes the sum non-finite.
+
+    A non-finite sum can also be an overflow of finite values, so that rare
+    case is settled by the exact elementwise test.
+    """
+    if tensor.numel() == 0:
+        return True
+    if math.isfinite(float(tensor.sum(dtype=torch.float32 if tensor.dtype != torch.float64 else None))):
+        return True
+    return bool(torch.isfinite(tensor).all())

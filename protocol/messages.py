@@ -1,0 +1,243 @@
+"""The Elastic Sync Protocol's messages, and the wire schema of each header field.
+
+A message is a frozen dataclass; each field's metadata names its `Kind`, which
+checks a decoded header value and says what was wrong with it.  Fields holding
+tensors (`GRADIENTS`, `PARAMETERS`) travel as frames and are handled by the codec.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from protocol.errors import ProtocolError, Reason
+from protocol.manifest import Manifest
+from protocol.payload import Dense, Payload
+
+PROTOCOL_VERSION = 1
+UINT_MAX = 2**63 - 1
+
+
+class Kind:
+    """Wire type of one header field: validates what came off the wire."""
+
+    def check(self, value: object, where: str) -> Any:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def to_wire(self, value: Any) -> object:
+        return value
+
+
+def _bad(where: str, expected: str, value: object) -> ProtocolError:
+    shown = repr(value)
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    return ProtocolError(Reason.BAD_FIELD, f"{where}: expected {expected}, got {shown}")
+
+
+class UInt(Kind):
+    def check(self, value: object, where: str) -> int:
+        if type(value) is not int or not 0 <= value <= UINT_MAX:
+            raise _bad(where, f"an integer in [0, {UINT_MAX}]", value)
+        return value
+
+
+class Str(Kind):
+    def __init__(self, max_len: int) -> None:
+        self.max_len = max_len
+
+    def check(self, value: object, where: str) -> str:
+        if type(value) is not str or len(value) > self.max_len:
+            raise _bad(where, f"a string of at most {self.max_len} characters", value)
+        return value
+
+
+class Bool(Kind):
+    def check(self, value: object, where: str) -> bool:
+        if type(value) is not bool:
+            raise _bad(where, "true or false", value)
+        return value
+
+
+class StrList(Kind):
+    def __init__(self, max_items: int, max_len: int) -> None:
+        self.max_items = max_items
+        self.item = Str(max_len)
+
+    def check(self, value: object, where: str) -> tuple[str, ...]:
+        if type(value) is not list or len(value) > self.max_items:
+            raise _bad(where, f"a list of at most {self.max_items} strings", value)
+        return tuple(self.item.check(v, f"{where}[{i}]") for i, v in enumerate(value))
+
+    def to_wire(self, value: Any) -> object:
+        return list(value)
+
+
+class Settings(Kind):
+    """A flat map of negotiated settings: string keys, scalar values."""
+
+    MAX_ITEMS = 64
+
+    def check(self, value: object, where: str) -> dict[str, object]:
+        if type(value) is not dict or len(value) > self.MAX_ITEMS:
+            raise _bad(where, f"a map of at most {self.MAX_ITEMS} settings", value)
+        for key, item in value.items():
+            if type(key) is not str or len(key) > 64:
+                raise _bad(where, "setting names as strings of at most 64 characters", key)
+            ok = type(item) in (int, bool, str) or (type(item) is float and math.isfinite(item))
+            if not ok or (type(item) is str and len(item) > 256):
+                raise _bad(f"{where}.{key}", "a bool, integer, finite float or short string", item)
+        return dict(value)
+
+
+class ManifestKind(Kind):
+    MAX_LAYERS = 100_000
+
+    def check(self, value: object, where: str) -> Manifest:
+        if type(value) is not list or len(value) > self.MAX_LAYERS:
+            raise _bad(where, f"a list of at most {self.MAX_LAYERS} layer entries", value)
+        try:
+            return Manifest.from_wire(value)
+        except ValueError as exc:
+            raise ProtocolError(Reason.BAD_FIELD, f"{where}: {exc}") from None
+
+    def to_wire(self, value: Any) -> object:
+        return value.to_wire()
+
+
+class Layers(Kind):
+    """Tensor-carrying field; the codec turns it into descriptors plus frames."""
+
+    def __init__(self, with_count: bool) -> None:
+        self.with_count = with_count
+
+
+UINT, BOOL = UInt(), Bool()
+ID = Str(256)
+GRADIENTS, PARAMETERS = Layers(with_count=True), Layers(with_count=False)
+
+
+def wire(kind: Kind, **kwargs: Any) -> Any:
+    """Declare a message field and its wire kind."""
+    return field(metadata={"wire": kind}, **kwargs)
+
+
+@dataclass(frozen=True)
+class LayerGradient:
+    """A layer's gradient sum over `count` step-gradients (count weights the average)."""
+
+    name: str
+    payload: Payload
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class LayerTensor:
+    """A layer's parameter values, as in a model announcement."""
+
+    name: str
+    payload: Dense
+
+
+class Message:
+    """Base of all messages; TYPE is the header's "type" value."""
+
+    TYPE: ClassVar[str]
+
+
+@dataclass(frozen=True)
+class Hello(Message):
+    """Edge -> gateway, first on every (re)connection."""
+
+    TYPE: ClassVar[str] = "hello"
+    client_id: str = wire(ID)
+    manifest: Manifest = wire(ManifestKind())
+    model_version: int = wire(UINT)
+    next_seq: int = wire(UINT)
+    settings: dict[str, object] = wire(Settings(), default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Welcome(Message):
+    """Gateway -> edge: accepted; what the gateway already holds from this edge."""
+
+    TYPE: ClassVar[str] = "welcome"
+    gateway_id: str = wire(ID)
+    manifest_digest: str = wire(Str(64))
+    model_version: int = wire(UINT)
+    durable_seq: int = wire(UINT)
+    settings: dict[str, object] = wire(Settings(), default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Push(Message):
+    """Edge -> gateway: gradients computed against model `base_version`."""
+
+    TYPE: ClassVar[str] = "push"
+    seq: int = wire(UINT)
+    base_version: int = wire(UINT)
+    layers: tuple[LayerGradient, ...] = wire(GRADIENTS)
+
+
+@dataclass(frozen=True)
+class Ack(Message):
+    """Gateway -> edge: the verdict on push `seq`, and how many more pushes it may send."""
+
+    TYPE: ClassVar[str] = "ack"
+    seq: int = wire(UINT)
+    accepted: bool = wire(BOOL)
+    credit: int = wire(UINT)
+    code: str = wire(Str(64), default="")
+    detail: str = wire(Str(1024), default="")
+
+
+@dataclass(frozen=True)
+class Commit(Message):
+    """Gateway -> edge: every push of this edge up to `durable_seq` survives a crash."""
+
+    TYPE: ClassVar[str] = "commit"
+    durable_seq: int = wire(UINT)
+
+
+@dataclass(frozen=True)
+class ModelRequest(Message):
+    """Edge -> gateway: send me the model if newer than `have_version` (all or `names`)."""
+
+    TYPE: ClassVar[str] = "model_request"
+    have_version: int = wire(UINT)
+    names: tuple[str, ...] = wire(StrList(100_000, 512), default=())
+
+
+@dataclass(frozen=True)
+class Model(Message):
+    """Gateway -> edge: parameters of model `version`, all of them when `full`."""
+
+    TYPE: ClassVar[str] = "model"
+    version: int = wire(UINT)
+    full: bool = wire(BOOL)
+    layers: tuple[LayerTensor, ...] = wire(PARAMETERS)
+
+
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    """Either way; any message proves liveness, this one exists for idle links."""
+
+    TYPE: ClassVar[str] = "heartbeat"
+    nonce: int = wire(UINT)
+    reply: bool = wire(BOOL, default=False)
+
+
+@dataclass(frozen=True)
+class Reject(Message):
+    """Gateway -> edge: a message was refused and no ack can carry the verdict."""
+
+    TYPE: ClassVar[str] = "reject"
+    code: str = wire(Str(64))
+    detail: str = wire(Str(1024))
+    ref_seq: int = wire(UINT, default=0)
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.TYPE: cls for cls in (Hello, Welcome, Push, Ack, Commit, ModelRequest, Model, Heartbeat, Reject)
+}
