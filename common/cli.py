@@ -1,0 +1,137 @@
+"""The `elasticfed` command: one entry point, a subcommand per role.
+
+Each subcommand names its config class and its runner as "module:attribute"
+strings, imported only when that subcommand runs, so `--help` stays fast and
+this module depends on neither `cloud` nor `edge`.  A subcommand whose runner
+is not built yet says so and exits with EXIT_NOT_BUILT; it never pretends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from common import config as cfg
+
+EXIT_USAGE = 2
+EXIT_NOT_BUILT = 69  # sysexits EX_UNAVAILABLE
+
+
+@dataclass(frozen=True)
+class Command:
+    """One runnable subcommand; `run` is None until it is built (then `issue` tracks it)."""
+
+    path: tuple[str, ...]
+    help: str
+    config: str | None = None  # "package.module:ConfigClass"
+    run: str | None = None  # "package.module:function" taking (args, config) -> exit code
+    issue: int | None = None
+
+
+COMMANDS: tuple[Command, ...] = (
+    Command(("demo",), "run a gateway and edge agents on this machine over a lossy link", issue=4),
+    Command(
+        ("cloud", "train"),
+        "train as a torchrun cloud worker with layer-wise sync",
+        config="cloud.config:CloudConfig",
+        issue=3,
+    ),
+    Command(
+        ("cloud", "serve"),
+        "run the cloud service: workers plus the edge gateway on rank 0",
+        config="cloud.config:CloudConfig",
+        issue=8,
+    ),
+    Command(
+        ("edge",),
+        "run the edge agent: train locally, push gradients to the gateway",
+        config="edge.config:EdgeConfig",
+        issue=4,
+    ),
+    Command(("keys", "generate"), "generate a CURVE key pair for the gateway or a device", issue=6),
+    Command(("keys", "enrol"), "allow a device's public key on the gateway", issue=6),
+    Command(("keys", "revoke"), "remove a device's public key; takes effect without a restart", issue=6),
+    Command(("keys", "list"), "list enrolled devices", issue=6),
+    Command(("linksim",), "proxy that makes a link lossy, slow, bursty or down", issue=5),
+)
+
+_GROUP_HELP = {
+    "cloud": "cloud workers and the edge gateway",
+    "keys": "CURVE key management and device enrolment",
+}
+
+
+def _resolve(spec: str) -> Any:
+    module, _, attr = spec.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _package_version() -> str:
+    try:
+        return version("elasticfed")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="elasticfed",
+        description="Edge-cloud elastic federated training: layer-wise gradient sync for cloud "
+        "workers and edge devices over lossy links.",
+    )
+    parser.add_argument("--version", action="version", version=f"elasticfed {_package_version()}")
+    top = parser.add_subparsers(dest="command", metavar="COMMAND")
+    groups: dict[str, argparse._SubParsersAction] = {}
+    for command in COMMANDS:
+        parent = top
+        if len(command.path) == 2:
+            group = command.path[0]
+            if group not in groups:
+                group_parser = top.add_parser(group, help=_GROUP_HELP[group], description=_GROUP_HELP[group])
+                groups[group] = group_parser.add_subparsers(dest="action", metavar="ACTION")
+            parent = groups[group]
+        sub = parent.add_parser(command.path[-1], help=command.help, description=command.help)
+        if command.config:
+            cfg.add_flags(sub, _resolve(command.config))
+        sub.set_defaults(_command=command)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    command: Command | None = getattr(args, "_command", None)
+    if command is None:
+        # `elasticfed` or `elasticfed cloud` alone: show what can follow.
+        target = parser
+        if args.command:
+            target = parser._subparsers._group_actions[0].choices[args.command]  # type: ignore[union-attr]
+        target.print_help(sys.stderr)
+        return EXIT_USAGE
+    name = "elasticfed " + " ".join(command.path)
+    config = None
+    if command.config:
+        try:
+            config = cfg.from_args(_resolve(command.config), args)
+        except cfg.ConfigError as exc:
+            print(f"{name}: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        if args.print_config:
+            print(cfg.to_toml(config), end="")
+            return 0
+    if command.run is None:
+        print(
+            f"{name}: not built yet (tracked in issue #{command.issue}); nothing was started.",
+            file=sys.stderr,
+        )
+        return EXIT_NOT_BUILT
+    return int(_resolve(command.run)(args, config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""Checks for setting values that both roles use (addresses, task specs, compression)."""
+
+from __future__ import annotations
+
+import re
+
+_TASK = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
+_TCP = re.compile(r"^tcp://(\*|\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
+_COMPRESSION = re.compile(r"^(none|fp16|bf16|topk:(0?\.\d+|1(\.0*)?)|powersgd:[1-9]\d*)$")
+
+
+def task_spec(value: str) -> str | None:
+    """`package.module:function`, the way a user's task plugs in."""
+    if not _TASK.match(value):
+        return "must look like 'package.module:function'"
+    return None
+
+
+def tcp_endpoint(value: str) -> str | None:
+    """A ZeroMQ TCP endpoint with a port in range."""
+    match = _TCP.match(value)
+    if not match or not 0 < int(match.group(2)) < 65536:
+        return "must be a ZeroMQ TCP endpoint like 'tcp://host:7878'"
+    return None
+
+
+def compression(value: str) -> str | None:
+    """`none`, `fp16`, `bf16`, `topk:<ratio in (0, 1]>` or `powersgd:<rank>`."""
+    if not _COMPRESSION.match(value) or value in ("topk:0", "topk:.0", "topk:0.0"):
+        return "must be none, fp16, bf16, topk:<ratio in (0, 1]> or powersgd:<rank>"
+    if value.startswith("topk:") and float(value[5:]) <= 0:
+        return "topk ratio must be above 0"
+    return None

@@ -1,0 +1,1 @@
+"""The edge agent: trains locally on a Jetson, pushes per-layer gradients to the gateway."""

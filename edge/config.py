@@ -1,0 +1,32 @@
+"""Settings of the edge agent (`elasticfed edge`, edge.toml)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.config import section, setting
+from common.settings_checks import compression, task_spec, tcp_endpoint
+
+
+@dataclass(frozen=True)
+class EdgeSecurity:
+    insecure: bool = setting(
+        False, "run without CURVE encryption and authentication (loud warning)", flag="--insecure"
+    )
+    gateway_public_key: str = setting("", "file holding the gateway's CURVE public key")
+    device_secret_key: str = setting("", "file holding this device's CURVE secret key (mode 0600)")
+
+
+@dataclass(frozen=True)
+class EdgeConfig:
+    gateway: str = setting("tcp://127.0.0.1:7878", "gateway endpoint to push to", check=tcp_endpoint)
+    client_id: str = setting("", "name of this device in logs and metrics (default: host name)")
+    task: str = setting(
+        "common.tasks.digits:task", "user task as module:function (model, data, loss)", check=task_spec
+    )
+    timeout_ms: int = setting(500, "per-layer deadline for an ack before the layer is weakly synced", min=1)
+    sync_every: int = setting(1, "local steps between syncs (1 = push every step)", min=1)
+    compression: str = setting("none", "payload compression", check=compression)
+    cache_dir: str = setting(".elasticfed/edge", "where the weak-sync cache survives restarts")
+    log_level: str = setting("info", "log verbosity", choices=("debug", "info", "warning", "error"))
+    security: EdgeSecurity = section(EdgeSecurity, "CURVE keys")
