@@ -269,7 +269,7 @@ def _decode_layer(
     name = _NAME.check(desc.get("name"), f"{where}.name")
     where = f"{where} ({name})"
     enc = desc.get("enc")
-    if enc not in _ENC_KEYS:
+    if type(enc) is not str or enc not in _ENC_KEYS:
         raise ProtocolError(Reason.ENCODING, f"{where}: unknown encoding {enc!r}")
     if not kind.with_count and enc != "dense":
         raise ProtocolError(Reason.ENCODING, f"{where}: parameters must be dense, not {enc}")

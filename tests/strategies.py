@@ -1,0 +1,122 @@
+"""Hypothesis strategies for every message type and payload encoding."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import strategies as st
+
+from protocol import (
+    Ack,
+    Commit,
+    Dense,
+    Heartbeat,
+    Hello,
+    LayerGradient,
+    LayerSpec,
+    LayerTensor,
+    LowRank,
+    Manifest,
+    Model,
+    ModelRequest,
+    Push,
+    Reject,
+    TopK,
+    Welcome,
+)
+from protocol.messages import UINT_MAX
+
+FLOATS = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+uints = st.integers(0, UINT_MAX)
+names = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=40)
+shapes = st.lists(st.integers(0, 6), min_size=0, max_size=3).map(tuple)
+
+
+@st.composite
+def tensors(draw: st.DrawFn, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None):
+    shape = draw(shapes) if shape is None else shape
+    dtype = draw(st.sampled_from(FLOATS)) if dtype is None else dtype
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1)))
+    scale = draw(st.sampled_from([1e-6, 1.0, 100.0]))
+    return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
+
+
+@st.composite
+def payloads(draw: st.DrawFn, shape: tuple[int, ...] | None = None):
+    shape = draw(shapes) if shape is None else shape
+    numel = math.prod(shape)
+    dtype = draw(st.sampled_from(FLOATS))
+    kinds = ["dense"]
+    if numel > 0:
+        kinds.append("topk")
+    if len(shape) >= 2 and numel > 0:
+        kinds.append("lowrank")
+    kind = draw(st.sampled_from(kinds))
+    if kind == "dense":
+        return Dense(draw(tensors(shape, dtype)))
+    if kind == "topk":
+        k = draw(st.integers(1, numel))
+        index_dtype = draw(st.sampled_from([torch.int32, torch.int64]))
+        indices = torch.tensor(
+            draw(st.lists(st.integers(0, numel - 1), min_size=k, max_size=k)), dtype=index_dtype
+        )
+        return TopK(draw(tensors((k,), dtype)), indices, shape)
+    rows, cols = shape[0], numel // shape[0]
+    rank = draw(st.integers(1, min(rows, cols)))
+    return LowRank(draw(tensors((rows, rank), dtype)), draw(tensors((cols, rank), dtype)), shape)
+
+
+manifests = st.lists(
+    st.builds(LayerSpec, names, shapes, st.sampled_from(["float32", "float16", "bfloat16", "float64"])),
+    max_size=6,
+    unique_by=lambda s: s.name,
+).map(Manifest)
+
+settings = st.dictionaries(
+    st.text(max_size=10),
+    st.one_of(
+        st.booleans(),
+        st.integers(-(2**63), 2**63 - 1),
+        st.floats(allow_nan=False, allow_infinity=False),
+        st.text(max_size=20),
+    ),
+    max_size=5,
+)
+
+gradient_layers = st.lists(
+    st.builds(LayerGradient, names, payloads(), st.integers(1, 2**40)), max_size=5, unique_by=lambda g: g.name
+).map(tuple)
+
+parameter_layers = st.lists(
+    st.builds(LayerTensor, names, tensors().map(Dense)), max_size=5, unique_by=lambda g: g.name
+).map(tuple)
+
+short = st.text(max_size=64)
+messages = st.one_of(
+    st.builds(
+        Hello,
+        client_id=st.text(max_size=256),
+        manifest=manifests,
+        model_version=uints,
+        next_seq=uints,
+        settings=settings,
+    ),
+    st.builds(
+        Welcome,
+        gateway_id=st.text(max_size=256),
+        manifest_digest=st.text(max_size=64),
+        model_version=uints,
+        durable_seq=uints,
+        settings=settings,
+    ),
+    st.builds(Push, seq=uints, base_version=uints, layers=gradient_layers),
+    st.builds(
+        Ack, seq=uints, accepted=st.booleans(), credit=uints, code=short, detail=st.text(max_size=1024)
+    ),
+    st.builds(Commit, durable_seq=uints),
+    st.builds(ModelRequest, have_version=uints, names=st.lists(names, max_size=5).map(tuple)),
+    st.builds(Model, version=uints, full=st.booleans(), layers=parameter_layers),
+    st.builds(Heartbeat, nonce=uints, reply=st.booleans()),
+    st.builds(Reject, code=short, detail=st.text(max_size=1024), ref_seq=uints),
+)

@@ -1,0 +1,106 @@
+"""The codebase itself: ruff-clean, Python 3.10 compatible, layered as DESIGN.md draws it."""
+
+from __future__ import annotations
+
+import ast
+import glob
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ["cloud", "edge", "protocol", "common"]
+
+
+def _tool(name: str) -> str:
+    found = shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
+    if found is None:
+        pytest.fail(f"{name} is not installed; it comes with the 'test' extra (pip install -e '.[test]')")
+    return found
+
+
+def test_ruff_clean() -> None:
+    result = subprocess.run([_tool("ruff"), "check", "."], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_vermin_says_python_310_is_enough() -> None:
+    """JetPack 6 ships Python 3.10: nothing in the product may need 3.11."""
+    result = subprocess.run(
+        [
+            _tool("vermin"),
+            "--target=3.10-",
+            "--violations",
+            "--no-tips",
+            "--eval-annotations",
+            *PACKAGES,
+            "benchmarks",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _python310() -> str | None:
+    candidates = [shutil.which("python3.10"), *sorted(glob.glob("/root/.pyenv/versions/3.10*/bin/python3"))]
+    for candidate in candidates:
+        if (
+            candidate
+            and subprocess.run(
+                [candidate, "-c", "import sys; assert sys.version_info[:2] == (3, 10)"], capture_output=True
+            ).returncode
+            == 0
+        ):
+            return candidate
+    return None
+
+
+def test_a_real_python_310_compiles_everything() -> None:
+    python = _python310()
+    if python is None:
+        pytest.skip("no Python 3.10 interpreter on this machine; vermin's static check still ran")
+    result = subprocess.run(
+        [python, "-m", "compileall", "-q", "-x", r"\.venv", *PACKAGES, "benchmarks"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _imports(package: str) -> set[tuple[str, str]]:
+    found = set()
+    for path in (ROOT / package).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found |= {(str(path.relative_to(ROOT)), alias.name.split(".")[0]) for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.add((str(path.relative_to(ROOT)), node.module.split(".")[0]))
+    return found
+
+
+@pytest.mark.parametrize(
+    ("package", "forbidden"),
+    [
+        ("protocol", {"cloud", "edge", "common"}),
+        ("common", {"cloud", "edge"}),
+        ("cloud", {"edge"}),
+        ("edge", {"cloud"}),
+    ],
+)
+def test_layering(package: str, forbidden: set[str]) -> None:
+    """protocol knows only bytes and messages; cloud and edge never import each other."""
+    bad = sorted((path, name) for path, name in _imports(package) if name in forbidden)
+    assert not bad, bad
+
+
+def test_no_pickle_in_product_code() -> None:
+    bad = sorted(
+        (p, n) for pkg in PACKAGES for p, n in _imports(pkg) if n in ("pickle", "cloudpickle", "dill")
+    )
+    assert not bad, bad

@@ -1,0 +1,158 @@
+"""Role configs and the `elasticfed` CLI: every key from file or flag, every error names where."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cloud.config import CloudConfig
+from common import config as cfg
+from common.cli import EXIT_NOT_BUILT, EXIT_USAGE, main
+from edge.config import EdgeConfig
+
+
+def write(tmp_path: Path, text: str, name: str = "edge.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_defaults_need_no_file() -> None:
+    config = cfg.load(EdgeConfig)
+    assert config.timeout_ms == 500 and config.sync_every == 1 and config.security.insecure is False
+
+
+def test_file_then_flags_override_in_that_order(tmp_path: Path) -> None:
+    path = write(tmp_path, "timeout_ms = 250\nsync_every = 4\n[security]\ninsecure = true\n")
+    config = cfg.load(EdgeConfig, path, {"sync_every": "8"})
+    assert (config.timeout_ms, config.sync_every, config.security.insecure) == (250, 8, True)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("timout_ms = 5\n", "unknown key 'timout_ms'; did you mean 'timeout_ms'?"),
+        ("timeout_ms = 'fast'\n", "key 'timeout_ms' must be an integer, got 'fast'"),
+        ("timeout_ms = 0\n", "key 'timeout_ms' must be >= 1, got 0"),
+        ("timeout_ms = true\n", "key 'timeout_ms' must be an integer, got True"),
+        ("log_level = 'loud'\n", "key 'log_level' must be one of debug, info, warning, error"),
+        ("gateway = 'http://x'\n", "key 'gateway' must be a ZeroMQ TCP endpoint"),
+        ("compression = 'topk:0'\n", "key 'compression' must be none, fp16, bf16"),
+        ("security = 3\n", "'security' must be a table"),
+        ("[security]\ninsecur = true\n", "[security]: unknown key 'insecur'; did you mean 'insecure'?"),
+        ("timeout_ms = \n", "not valid TOML"),
+    ],
+)
+def test_file_errors_name_the_file_and_key(tmp_path: Path, text: str, expected: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(cfg.ConfigError) as info:
+        cfg.load(EdgeConfig, path)
+    assert str(path) in str(info.value)
+    assert expected in str(info.value)
+
+
+def test_missing_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(cfg.ConfigError, match="nope.toml: no such config file"):
+        cfg.load(EdgeConfig, tmp_path / "nope.toml")
+
+
+def test_flag_errors_name_the_flag() -> None:
+    with pytest.raises(cfg.ConfigError, match="--gateway-quorum: must be an integer"):
+        cfg.load(CloudConfig, None, {"gateway.quorum": "many"})
+    with pytest.raises(cfg.ConfigError, match="--insecure: must be true or false"):
+        cfg.load(CloudConfig, None, {"security.insecure": "maybe"})
+
+
+@pytest.mark.parametrize(
+    ("cls", "overrides"),
+    [
+        (EdgeConfig, {"client_id": 'jetson "7"\tline', "timeout_ms": "42", "security.insecure": "true"}),
+        (CloudConfig, {"edge_weight": "0.25", "gateway.round_deadline_s": "1e-2", "strategy": "adaptive"}),
+    ],
+)
+def test_printed_config_reads_back_equal(tmp_path: Path, cls: type, overrides: dict[str, str]) -> None:
+    changed = cfg.load(cls, None, overrides)
+    assert changed != cls()
+    path = write(tmp_path, cfg.to_toml(changed), "round.toml")
+    assert cfg.load(cls, path) == changed
+
+
+def test_compression_specs() -> None:
+    from common.settings_checks import compression
+
+    for good in ("none", "fp16", "bf16", "topk:0.01", "topk:1", "powersgd:4"):
+        assert compression(good) is None, good
+    for bad in ("topk", "topk:0", "topk:1.5", "powersgd:0", "zstd", "fp8"):
+        assert compression(bad) is not None, bad
+
+
+def test_cli_print_config_applies_flags(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = write(tmp_path, "[gateway]\nquorum = 2\n", "cloud.toml")
+    code = main(
+        [
+            "cloud",
+            "serve",
+            "--config",
+            str(path),
+            "--gateway-max-staleness",
+            "3",
+            "--insecure",
+            "--print-config",
+        ]
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "quorum = 2" in out and "max_staleness = 3" in out and "insecure = true" in out
+
+
+def test_cli_bad_value_exits_2_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["edge", "--timeout-ms", "-5"]) == EXIT_USAGE
+    assert "--timeout-ms: must be >= 1, got -5" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["demo"], ["edge"], ["cloud", "train"], ["keys", "list"], ["linksim"]])
+def test_unbuilt_commands_say_so_and_fail(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    assert main(argv) == EXIT_NOT_BUILT
+    assert "not built yet" in capsys.readouterr().err
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    return subprocess.run(
+        [sys.executable, "-m", "common.cli", *args], capture_output=True, text=True, env=env, timeout=120
+    )
+
+
+def test_help_everywhere() -> None:
+    for args in (
+        [],
+        ["demo"],
+        ["cloud"],
+        ["cloud", "train"],
+        ["cloud", "serve"],
+        ["edge"],
+        ["keys"],
+        ["keys", "generate"],
+        ["linksim"],
+    ):
+        result = run_cli(*args, "--help")
+        assert result.returncode == 0, (args, result.stderr)
+        assert "usage: elasticfed" in result.stdout
+    assert "--timeout-ms" in run_cli("edge", "--help").stdout
+
+
+def test_cli_help_does_not_import_torch() -> None:
+    # `elasticfed --help` on a Jetson should not wait seconds for torch to load.
+    code = "import sys; from common.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert result.stdout.strip() == "False", result.stderr
+
+
+def test_no_command_prints_usage_and_fails() -> None:
+    result = run_cli()
+    assert result.returncode == EXIT_USAGE and "COMMAND" in result.stderr

@@ -1,0 +1,300 @@
+"""Each way a message can be malformed is refused with the right reason, and only with ProtocolError."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import msgpack
+import pytest
+import torch
+
+from protocol import (
+    Ack,
+    Dense,
+    Hello,
+    LayerGradient,
+    LayerTensor,
+    Limits,
+    LowRank,
+    Manifest,
+    Model,
+    ProtocolError,
+    Push,
+    Reason,
+    TopK,
+    decode,
+    encode,
+)
+
+MANIFEST = Manifest.from_parameters(
+    [("enc.weight", torch.nn.Parameter(torch.zeros(4, 3))), ("enc.bias", torch.nn.Parameter(torch.zeros(4)))]
+)
+
+
+def push_frames(*layers: LayerGradient, seq: int = 1) -> list[bytes]:
+    return [bytes(f) for f in encode(Push(seq=seq, base_version=0, layers=layers))]
+
+
+def good_push() -> list[bytes]:
+    return push_frames(
+        LayerGradient("enc.weight", Dense(torch.randn(4, 3)), 2),
+        LayerGradient("enc.bias", Dense(torch.randn(4))),
+    )
+
+
+def edit_header(frames: list[bytes], change: Callable[[dict], None]) -> list[bytes]:
+    header = msgpack.unpackb(frames[0])
+    change(header)
+    return [msgpack.packb(header), *frames[1:]]
+
+
+def refused(frames: list, **kwargs) -> ProtocolError:
+    with pytest.raises(ProtocolError) as info:
+        decode(frames, **kwargs)
+    return info.value
+
+
+def test_good_push_decodes() -> None:
+    msg = decode(good_push(), manifest=MANIFEST)
+    assert [layer.name for layer in msg.layers] == ["enc.weight", "enc.bias"]
+
+
+CASES: dict[str, tuple[Callable[[], list], Reason]] = {
+    "no frames": (lambda: [], Reason.FRAME_COUNT),
+    "header not msgpack": (lambda: [b"\xc1garbage"], Reason.MALFORMED),
+    "header truncated": (lambda: [good_push()[0][:-3], *good_push()[1:]], Reason.MALFORMED),
+    "trailing bytes after header": (lambda: [good_push()[0] + b"\x00", *good_push()[1:]], Reason.MALFORMED),
+    "header is a list": (lambda: [msgpack.packb([1, "push"])], Reason.MALFORMED),
+    "header uses an ext type": (lambda: [msgpack.packb({"v": msgpack.ExtType(5, b"x")})], Reason.MALFORMED),
+    "frame is not bytes": (lambda: [good_push()[0], 12345, good_push()[2]], Reason.MALFORMED),
+    "unknown version": (lambda: edit_header(good_push(), lambda h: h.update(v=2)), Reason.VERSION),
+    "version as string": (lambda: edit_header(good_push(), lambda h: h.update(v="1")), Reason.VERSION),
+    "unknown type": (lambda: edit_header(good_push(), lambda h: h.update(type="pull")), Reason.UNKNOWN_TYPE),
+    "unknown field": (lambda: edit_header(good_push(), lambda h: h.update(extra=1)), Reason.UNKNOWN_FIELD),
+    "missing field": (lambda: edit_header(good_push(), lambda h: h.pop("seq")), Reason.MISSING_FIELD),
+    "negative seq": (lambda: edit_header(good_push(), lambda h: h.update(seq=-1)), Reason.BAD_FIELD),
+    "bool as seq": (lambda: edit_header(good_push(), lambda h: h.update(seq=True)), Reason.BAD_FIELD),
+    "float as version number": (
+        lambda: edit_header(good_push(), lambda h: h.update(base_version=1.5)),
+        Reason.BAD_FIELD,
+    ),
+    "layers not a list": (lambda: edit_header(good_push(), lambda h: h.update(layers={})), Reason.BAD_FIELD),
+    "layer not a map": (
+        lambda: edit_header(good_push(), lambda h: h["layers"].__setitem__(0, 3)),
+        Reason.BAD_FIELD,
+    ),
+    "unknown layer key": (
+        lambda: edit_header(good_push(), lambda h: h["layers"][0].update(scale=2)),
+        Reason.UNKNOWN_FIELD,
+    ),
+    "missing layer key": (
+        lambda: edit_header(good_push(), lambda h: h["layers"][0].pop("count")),
+        Reason.MISSING_FIELD,
+    ),
+    "zero count": (
+        lambda: edit_header(good_push(), lambda h: h["layers"][0].update(count=0)),
+        Reason.BAD_FIELD,
+    ),
+    "unknown encoding": (
+        lambda: edit_header(good_push(), lambda h: h["layers"][0].update(enc="zstd")),
+        Reason.ENCODING,
+    ),
+    "unknown dtype": (
+        lambda: edit_header(good_push(), lambda h: h["layers"][0].update(dtype="int8")),
+        Reason.DTYPE,
+    ),
+    "shape with negative dim": (
+        lambda: edit_header(good_push(), lambda h: h["layers"][0].update(shape=[-4, -3])),
+        Reason.SHAPE,
+    ),
+    "shape with too many dims": (
+        lambda: edit_header(good_push(), lambda h: h["layers"][0].update(shape=[1] * 9)),
+        Reason.SHAPE,
+    ),
+    "shape not matching frame": (
+        lambda: edit_header(good_push(), lambda h: h["layers"][0].update(shape=[4, 4])),
+        Reason.FRAME_SIZE,
+    ),
+    "checksum list too short": (
+        lambda: edit_header(good_push(), lambda h: h["layers"][0].update(xxh=[])),
+        Reason.BAD_FIELD,
+    ),
+    "checksum not an integer": (
+        lambda: edit_header(good_push(), lambda h: h["layers"][0].update(xxh=["abc"])),
+        Reason.BAD_FIELD,
+    ),
+    "checksum mismatch": (
+        lambda: edit_header(good_push(), lambda h: h["layers"][0].update(xxh=[h["layers"][0]["xxh"][0] ^ 1])),
+        Reason.CHECKSUM,
+    ),
+    "payload byte flipped": (
+        lambda: [*good_push()[:1], bytes([good_push()[1][0] ^ 0xFF]) + good_push()[1][1:], good_push()[2]],
+        Reason.CHECKSUM,
+    ),
+    "frame missing": (lambda: good_push()[:2], Reason.FRAME_COUNT),
+    "extra frame": (lambda: [*good_push(), b"more"], Reason.FRAME_COUNT),
+    "payload frame truncated": (
+        lambda: [good_push()[0], good_push()[1][:-1], good_push()[2]],
+        Reason.FRAME_SIZE,
+    ),
+    "duplicate layer": (
+        lambda: push_frames(
+            LayerGradient("w", Dense(torch.ones(2))), LayerGradient("w", Dense(torch.ones(2)))
+        ),
+        Reason.DUPLICATE_LAYER,
+    ),
+    "nan gradient": (
+        lambda: push_frames(LayerGradient("w", Dense(torch.tensor([1.0, math.nan])))),
+        Reason.NONFINITE,
+    ),
+    "inf gradient": (
+        lambda: push_frames(LayerGradient("w", Dense(torch.tensor([-math.inf, 1.0])))),
+        Reason.NONFINITE,
+    ),
+    "inf in fp16": (
+        lambda: push_frames(LayerGradient("w", Dense(torch.tensor([7e4, 1.0]).half()))),
+        Reason.NONFINITE,
+    ),
+    "nan in top-k values": (
+        lambda: push_frames(LayerGradient("w", TopK(torch.tensor([math.nan]), torch.tensor([0]), (3,)))),
+        Reason.NONFINITE,
+    ),
+    "nan in low-rank factor": (
+        lambda: push_frames(
+            LayerGradient("w", LowRank(torch.tensor([[math.nan], [1.0]]), torch.ones(3, 1), (2, 3)))
+        ),
+        Reason.NONFINITE,
+    ),
+    "top-k index out of range": (
+        lambda: push_frames(LayerGradient("w", TopK(torch.ones(2), torch.tensor([0, 6]), (2, 3)))),
+        Reason.ENCODING,
+    ),
+    "top-k negative index": (
+        lambda: push_frames(LayerGradient("w", TopK(torch.ones(1), torch.tensor([-1]), (2, 3)))),
+        Reason.ENCODING,
+    ),
+    "top-k more values than elements": (
+        lambda: edit_header(
+            push_frames(LayerGradient("w", TopK(torch.ones(4), torch.arange(4), (4,)))),
+            lambda h: h["layers"][0].update(shape=[2]),
+        ),
+        Reason.ENCODING,
+    ),
+    "top-k bad index dtype": (
+        lambda: edit_header(
+            push_frames(LayerGradient("w", TopK(torch.ones(1), torch.tensor([0]), (4,)))),
+            lambda h: h["layers"][0].update(index_dtype="uint8"),
+        ),
+        Reason.DTYPE,
+    ),
+    "low-rank rank above the matrix": (
+        lambda: edit_header(
+            push_frames(LayerGradient("w", LowRank(torch.ones(2, 1), torch.ones(3, 1), (2, 3)))),
+            lambda h: h["layers"][0].update(rank=3),
+        ),
+        Reason.ENCODING,
+    ),
+    "low-rank of a vector": (
+        lambda: edit_header(
+            push_frames(LayerGradient("w", LowRank(torch.ones(2, 1), torch.ones(3, 1), (2, 3)))),
+            lambda h: h["layers"][0].update(shape=[6]),
+        ),
+        Reason.ENCODING,
+    ),
+    "settings value is a map": (
+        lambda: edit_header(
+            [bytes(f) for f in encode(Hello("e", MANIFEST, 0, 1))],
+            lambda h: h.update(settings={"a": {"b": 1}}),
+        ),
+        Reason.BAD_FIELD,
+    ),
+    "manifest entry malformed": (
+        lambda: edit_header(
+            [bytes(f) for f in encode(Hello("e", MANIFEST, 0, 1))],
+            lambda h: h["manifest"].__setitem__(0, ["w", [2], "int8"]),
+        ),
+        Reason.BAD_FIELD,
+    ),
+    "manifest with duplicate names": (
+        lambda: edit_header(
+            [bytes(f) for f in encode(Hello("e", MANIFEST, 0, 1))],
+            lambda h: h["manifest"].append(list(h["manifest"][0])),
+        ),
+        Reason.BAD_FIELD,
+    ),
+    "ack string too long": (
+        lambda: edit_header(
+            [bytes(f) for f in encode(Ack(1, False, 0))], lambda h: h.update(detail="x" * 2000)
+        ),
+        Reason.BAD_FIELD,
+    ),
+    "compressed parameters": (
+        lambda: edit_header(
+            [bytes(f) for f in encode(Model(1, True, (LayerTensor("enc.bias", Dense(torch.ones(4))),)))],
+            lambda h: h["layers"][0].update(enc="topk", index_dtype="int32"),
+        ),
+        Reason.ENCODING,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_malformed_input_is_refused_with_its_reason(case: str) -> None:
+    make, reason = CASES[case]
+    error = refused(make())
+    assert error.reason is reason, str(error)
+    assert error.detail  # a person can read what was wrong
+
+
+def test_manifest_checks_name_shape_and_parameter_dtype() -> None:
+    unknown = push_frames(LayerGradient("dec.weight", Dense(torch.ones(4, 3))))
+    assert refused(unknown, manifest=MANIFEST).reason is Reason.UNKNOWN_LAYER
+    wrong_shape = push_frames(LayerGradient("enc.weight", Dense(torch.ones(3, 4))))
+    error = refused(wrong_shape, manifest=MANIFEST)
+    assert error.reason is Reason.SHAPE and "[3, 4]" in error.detail and "[4, 3]" in error.detail
+    # Gradients may travel compressed to fp16; parameters must match the model's dtype.
+    half_grad = push_frames(LayerGradient("enc.bias", Dense(torch.ones(4).half())))
+    assert decode(half_grad, manifest=MANIFEST).layers[0].payload.tensor.dtype == torch.float16
+    half_param = [
+        bytes(f) for f in encode(Model(1, True, (LayerTensor("enc.bias", Dense(torch.ones(4).half())),)))
+    ]
+    assert refused(half_param, manifest=MANIFEST).reason is Reason.DTYPE
+
+
+def test_size_caps_apply_before_parsing() -> None:
+    frames = good_push()
+    total = sum(len(f) for f in frames)
+    assert refused(frames, limits=Limits(max_message_bytes=total - 1)).reason is Reason.TOO_LARGE
+    assert decode(frames, limits=Limits(max_message_bytes=total)).seq == 1
+    assert refused(frames, limits=Limits(max_header_bytes=len(frames[0]) - 1)).reason is Reason.TOO_LARGE
+    assert refused([frames[0]] + [b""] * 10, limits=Limits(max_frames=5)).reason is Reason.TOO_LARGE
+
+
+def test_claimed_huge_shape_is_refused_without_allocating_it() -> None:
+    # A top-k layer claiming 2**40 elements: within the wire format, beyond the element cap.
+    frames = edit_header(
+        push_frames(LayerGradient("w", TopK(torch.ones(1), torch.tensor([0]), (4,)))),
+        lambda h: h["layers"][0].update(shape=[2**20, 2**20]),
+    )
+    assert refused(frames).reason is Reason.TOO_LARGE
+    # Same claim under a raised element cap: still no allocation, decode keeps it sparse.
+    msg = decode(frames, limits=Limits(max_layer_elements=2**41))
+    assert msg.layers[0].payload.values.numel() == 1
+
+
+def test_nonfinite_allowed_when_asked() -> None:
+    frames = push_frames(LayerGradient("w", Dense(torch.tensor([math.nan, 1.0]))))
+    decoded = decode(frames, limits=Limits(allow_nonfinite=True))
+    assert math.isnan(decoded.layers[0].payload.tensor[0])
+
+
+def test_large_finite_values_are_not_mistaken_for_inf() -> None:
+    # Their fp32 sum overflows; the exact check must still accept them.
+    frames = push_frames(LayerGradient("w", Dense(torch.full((8,), 3e38))))
+    assert decode(frames).layers[0].payload.tensor.max() == pytest.approx(3e38)
+
+
+def test_limits_reject_nonsense() -> None:
+    with pytest.raises(ValueError, match="max_frames"):
+        Limits(max_frames=0)
