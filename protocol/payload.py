@@ -9,7 +9,6 @@ runs at memory speed, where zlib.crc32 would cost 4x the copy it guards.
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -50,8 +49,9 @@ def tensor_buffer(tensor: torch.Tensor) -> memoryview:
     """
     if tensor.device.type != "cpu":
         raise ValueError(f"tensor is on {tensor.device}; copy it to host memory before encoding")
-    flat = tensor.detach().contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
 
 
 def tensor_from_buffer(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -60,18 +60,14 @@ def tensor_from_buffer(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ..
     A copy happens for a read-only buffer (bytes) or one not aligned to the element
     size; ZeroMQ frames received with copy=False are neither.
     """
-    itemsize = torch.empty((), dtype=dtype).element_size()
     if len(buf) == 0:
         return torch.empty(shape, dtype=dtype)
-    if buf.readonly:
+    if buf.readonly:  # torch.frombuffer would warn, and writes through it would be undefined
         buf = memoryview(bytearray(buf))
-    with warnings.catch_warnings():
-        # frombuffer warns about an unaligned start; we copy in that case below.
-        warnings.simplefilter("ignore")
-        tensor = torch.frombuffer(buf, dtype=torch.uint8)
-    if tensor.data_ptr() % itemsize:
+    tensor = torch.frombuffer(buf, dtype=dtype)
+    if tensor.data_ptr() % dtype.itemsize:
         tensor = tensor.clone()
-    return tensor.view(dtype).view(shape)
+    return tensor.view(shape)
 
 
 @dataclass(frozen=True)
