@@ -3,7 +3,7 @@
 Knows bytes, tensors and messages; nothing of training.
 """
 
-from protocol.codec import DEFAULT_LIMITS, Limits, decode, encode
+from protocol.codec import DEFAULT_LIMITS, Limits, apply_limits, decode, encode
 from protocol.errors import ProtocolError, Reason
 from protocol.manifest import LayerSpec, Manifest
 from protocol.messages import (
@@ -51,6 +51,7 @@ __all__ = [
     "Reject",
     "TopK",
     "Welcome",
+    "apply_limits",
     "decode",
     "encode",
 ]

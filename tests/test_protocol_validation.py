@@ -298,3 +298,32 @@ def test_large_finite_values_are_not_mistaken_for_inf() -> None:
 def test_limits_reject_nonsense() -> None:
     with pytest.raises(ValueError, match="max_frames"):
         Limits(max_frames=0)
+
+
+def test_socket_refuses_oversized_frames_before_they_reach_the_decoder() -> None:
+    import zmq
+
+    from protocol import apply_limits
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    senders = [ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)]
+    try:
+        apply_limits(router, Limits(max_message_bytes=64 * 1024))
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        for sock in [router, *senders]:
+            sock.linger = 0
+        for sock in senders:
+            sock.connect(f"tcp://127.0.0.1:{port}")
+        big, small = senders
+        big.send_multipart(push_frames(LayerGradient("w", Dense(torch.zeros(32 * 1024)))))  # 128 KiB
+        small.send_multipart(push_frames(LayerGradient("w", Dense(torch.ones(8))), seq=2))
+        assert router.poll(5000), "the well-behaved peer's message never arrived"
+        _, *frames = router.recv_multipart()
+        assert decode(frames).seq == 2
+        # The oversized message was dropped by libzmq: nothing else arrives.
+        assert not router.poll(300)
+    finally:
+        for sock in [router, *senders]:
+            sock.close()
+        ctx.term()
