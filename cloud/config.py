@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.config import section, setting
-from common.settings_checks import compression, task_spec, tcp_endpoint
+from common.shared_settings import compression_setting, log_level_setting, task_setting, tcp_endpoint
 
 
 @dataclass(frozen=True)
@@ -31,14 +31,12 @@ class CloudConfig:
     mode: str = setting(
         "hybrid", "hybrid: cloud data plus edges; standalone: edges only", choices=("hybrid", "standalone")
     )
-    task: str = setting(
-        "common.tasks.digits:task", "user task as module:function (model, data, loss)", check=task_spec
-    )
-    compression: str = setting("none", "gradient compression between cloud ranks", check=compression)
+    task: str = task_setting()
+    compression: str = compression_setting("gradient compression between cloud ranks")
     strategy: str = setting(
         "layerwise", "how layers are grouped for sync", choices=("layerwise", "blockwise", "adaptive")
     )
     edge_weight: float = setting(0.5, "mixing weight of the edge average in the cloud step", min=0.0, max=1.0)
-    log_level: str = setting("info", "log verbosity", choices=("debug", "info", "warning", "error"))
+    log_level: str = log_level_setting()
     gateway: GatewaySettings = section(GatewaySettings, "edge gateway")
     security: CloudSecurity = section(CloudSecurity, "CURVE keys")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.config import section, setting
-from common.settings_checks import compression, task_spec, tcp_endpoint
+from common.shared_settings import compression_setting, log_level_setting, task_setting, tcp_endpoint
 
 
 @dataclass(frozen=True)
@@ -21,12 +21,10 @@ class EdgeSecurity:
 class EdgeConfig:
     gateway: str = setting("tcp://127.0.0.1:7878", "gateway endpoint to push to", check=tcp_endpoint)
     client_id: str = setting("", "name of this device in logs and metrics (default: host name)")
-    task: str = setting(
-        "common.tasks.digits:task", "user task as module:function (model, data, loss)", check=task_spec
-    )
+    task: str = task_setting()
     timeout_ms: int = setting(500, "per-layer deadline for an ack before the layer is weakly synced", min=1)
     sync_every: int = setting(1, "local steps between syncs (1 = push every step)", min=1)
-    compression: str = setting("none", "payload compression", check=compression)
+    compression: str = compression_setting("payload compression")
     cache_dir: str = setting(".elasticfed/edge", "where the weak-sync cache survives restarts")
-    log_level: str = setting("info", "log verbosity", choices=("debug", "info", "warning", "error"))
+    log_level: str = log_level_setting()
     security: EdgeSecurity = section(EdgeSecurity, "CURVE keys")

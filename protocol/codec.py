@@ -177,9 +177,8 @@ def _decode(frames: Sequence[Frame], limits: Limits, manifest: Manifest | None) 
         if key not in fields and key not in _ENVELOPE:
             raise ProtocolError(Reason.UNKNOWN_FIELD, f"{mtype}: unknown field {key!r}")
 
+    reader = _LayerReader(bufs[1:], limits, manifest)
     values: dict[str, object] = {}
-    payload_frames = bufs[1:]
-    used = 0
     for name, f in fields.items():
         where = f"{mtype}.{name}"
         if name not in header:
@@ -188,15 +187,13 @@ def _decode(frames: Sequence[Frame], limits: Limits, manifest: Manifest | None) 
             continue
         kind: Kind = f.metadata["wire"]
         if isinstance(kind, Layers):
-            values[name], used = _decode_layers(
-                header[name], kind, payload_frames, used, where, limits, manifest
-            )
+            values[name] = reader.layers(header[name], kind, where)
         else:
             values[name] = kind.check(header[name], where)
-    if used != len(payload_frames):
+    if reader.used != len(reader.frames):
         raise ProtocolError(
             Reason.FRAME_COUNT,
-            f"{mtype}: header describes {used} payload frames, message has {len(payload_frames)}",
+            f"{mtype}: header describes {reader.used} payload frames, message has {len(reader.frames)}",
         )
     return cls(**values)
 
@@ -229,143 +226,155 @@ def _unpack_header(raw: memoryview) -> dict:
     return header
 
 
-def _decode_layers(
-    descs: object,
-    kind: Layers,
-    frames: list[memoryview],
-    used: int,
-    where: str,
-    limits: Limits,
-    manifest: Manifest | None,
-) -> tuple[tuple, int]:
-    if type(descs) is not list:
-        raise ProtocolError(Reason.BAD_FIELD, f"{where}: expected a list of layers")
-    out = []
-    seen: set[str] = set()
-    for i, desc in enumerate(descs):
-        layer, used = _decode_layer(desc, kind, frames, used, f"{where}[{i}]", limits, manifest)
-        if layer.name in seen:
-            raise ProtocolError(Reason.DUPLICATE_LAYER, f"{where}: layer {layer.name} appears twice")
-        seen.add(layer.name)
-        out.append(layer)
-    return tuple(out), used
+_COMMON_KEYS = frozenset({"name", "enc", "dtype", "shape", "xxh"})
+_ENC_KEYS = {"dense": frozenset(), "topk": frozenset({"index_dtype"}), "lowrank": frozenset({"rank"})}
 
 
-_COMMON_KEYS = {"name", "enc", "dtype", "shape", "xxh"}
-_ENC_KEYS = {"dense": set(), "topk": {"index_dtype"}, "lowrank": {"rank"}}
+class _LayerReader:
+    """Turns layer descriptors into payloads, consuming payload frames in order.
 
+    Every size is derived from the header and checked against the frame before
+    a tensor is built over it, so a lying header costs nothing but a refusal.
+    """
 
-def _decode_layer(
-    desc: object,
-    kind: Layers,
-    frames: list[memoryview],
-    used: int,
-    where: str,
-    limits: Limits,
-    manifest: Manifest | None,
-) -> tuple[LayerGradient | LayerTensor, int]:
-    if type(desc) is not dict:
-        raise ProtocolError(Reason.BAD_FIELD, f"{where}: layer descriptor is not a map")
-    name = _NAME.check(desc.get("name"), f"{where}.name")
-    where = f"{where} ({name})"
-    enc = desc.get("enc")
-    if type(enc) is not str or enc not in _ENC_KEYS:
-        raise ProtocolError(Reason.ENCODING, f"{where}: unknown encoding {enc!r}")
-    if not kind.with_count and enc != "dense":
-        raise ProtocolError(Reason.ENCODING, f"{where}: parameters must be dense, not {enc}")
-    allowed = _COMMON_KEYS | _ENC_KEYS[enc] | ({"count"} if kind.with_count else set())
-    for key in desc:
-        if key not in allowed:
-            raise ProtocolError(Reason.UNKNOWN_FIELD, f"{where}: unknown key {key!r}")
-    for key in allowed:
-        if key not in desc:
-            raise ProtocolError(Reason.MISSING_FIELD, f"{where}: {key} is required")
+    def __init__(self, frames: list[memoryview], limits: Limits, manifest: Manifest | None) -> None:
+        self.frames = frames
+        self.used = 0
+        self.limits = limits
+        self.manifest = manifest
 
-    dtype = FLOAT_DTYPES.get(desc["dtype"]) if type(desc["dtype"]) is str else None
-    if dtype is None:
-        raise ProtocolError(
-            Reason.DTYPE, f"{where}: dtype {desc['dtype']!r} is not one of {sorted(FLOAT_DTYPES)}"
-        )
-    shape = _check_shape(desc["shape"], where, limits)
-    numel = math.prod(shape)
-    spec = manifest.get(name) if manifest is not None else None
-    if manifest is not None:
+    def layers(self, descs: object, kind: Layers, where: str) -> tuple:
+        if type(descs) is not list:
+            raise ProtocolError(Reason.BAD_FIELD, f"{where}: expected a list of layers")
+        out = []
+        seen: set[str] = set()
+        for i, desc in enumerate(descs):
+            layer = self.layer(desc, kind, f"{where}[{i}]")
+            if layer.name in seen:
+                raise ProtocolError(Reason.DUPLICATE_LAYER, f"{where}: layer {layer.name} appears twice")
+            seen.add(layer.name)
+            out.append(layer)
+        return tuple(out)
+
+    def layer(self, desc: object, kind: Layers, where: str) -> LayerGradient | LayerTensor:
+        if type(desc) is not dict:
+            raise ProtocolError(Reason.BAD_FIELD, f"{where}: layer descriptor is not a map")
+        name = _NAME.check(desc.get("name"), f"{where}.name")
+        where = f"{where} ({name})"
+        enc = self._check_keys(desc, kind, where)
+        dtype = FLOAT_DTYPES.get(desc["dtype"]) if type(desc["dtype"]) is str else None
+        if dtype is None:
+            raise ProtocolError(
+                Reason.DTYPE, f"{where}: dtype {desc['dtype']!r} is not one of {sorted(FLOAT_DTYPES)}"
+            )
+        shape = _check_shape(desc["shape"], where, self.limits)
+        self._check_manifest(name, shape, desc["dtype"], kind, where)
+
+        tensors = self._read(self._layout(desc, enc, dtype, shape, where), desc["xxh"], where)
+        payload = _payload(enc, tensors, shape, where)
+        if not kind.with_count:
+            return LayerTensor(name, payload)  # type: ignore[arg-type]  # dense, checked above
+        count = _UINT.check(desc["count"], f"{where}.count")
+        if count < 1:
+            raise ProtocolError(Reason.BAD_FIELD, f"{where}: count must be at least 1")
+        return LayerGradient(name, payload, count)
+
+    def _check_keys(self, desc: dict, kind: Layers, where: str) -> str:
+        enc = desc.get("enc")
+        if type(enc) is not str or enc not in _ENC_KEYS:
+            raise ProtocolError(Reason.ENCODING, f"{where}: unknown encoding {enc!r}")
+        if not kind.with_count and enc != "dense":
+            raise ProtocolError(Reason.ENCODING, f"{where}: parameters must be dense, not {enc}")
+        allowed = _COMMON_KEYS | _ENC_KEYS[enc] | ({"count"} if kind.with_count else frozenset())
+        for key in desc:
+            if key not in allowed:
+                raise ProtocolError(Reason.UNKNOWN_FIELD, f"{where}: unknown key {key!r}")
+        for key in allowed:
+            if key not in desc:
+                raise ProtocolError(Reason.MISSING_FIELD, f"{where}: {key} is required")
+        return enc
+
+    def _check_manifest(
+        self, name: str, shape: tuple[int, ...], dtype: str, kind: Layers, where: str
+    ) -> None:
+        if self.manifest is None:
+            return
+        spec = self.manifest.get(name)
         if spec is None:
             raise ProtocolError(Reason.UNKNOWN_LAYER, f"{where}: no such layer in the manifest")
         if spec.shape != shape:
             raise ProtocolError(
                 Reason.SHAPE, f"{where}: shape {list(shape)}, manifest says {list(spec.shape)}"
             )
-        if not kind.with_count and desc["dtype"] != spec.dtype:
-            raise ProtocolError(Reason.DTYPE, f"{where}: dtype {desc['dtype']}, manifest says {spec.dtype}")
+        # Gradients may travel in a narrower float type; parameters must match the model.
+        if not kind.with_count and dtype != spec.dtype:
+            raise ProtocolError(Reason.DTYPE, f"{where}: dtype {dtype}, manifest says {spec.dtype}")
 
-    # Frame layout per encoding: (dtype, shape) of each frame, from the header alone.
-    if enc == "dense":
-        layout = [(dtype, shape)]
-    elif enc == "topk":
-        idx = INDEX_DTYPES.get(desc["index_dtype"]) if type(desc["index_dtype"]) is str else None
-        if idx is None:
-            raise ProtocolError(
-                Reason.DTYPE, f"{where}: index_dtype {desc['index_dtype']!r} is not int32 or int64"
-            )
-        k = _frame_len(frames, used, where) // dtype.itemsize
-        if k > numel:
-            raise ProtocolError(Reason.ENCODING, f"{where}: top-k sends {k} values for {numel} elements")
-        layout = [(dtype, (k,)), (idx, (k,))]
-    else:
+    def _layout(
+        self, desc: dict, enc: str, dtype: torch.dtype, shape: tuple[int, ...], where: str
+    ) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+        """(dtype, shape) of each of this layer's frames, from the header alone."""
+        numel = math.prod(shape)
+        if enc == "dense":
+            return [(dtype, shape)]
+        if enc == "topk":
+            idx = INDEX_DTYPES.get(desc["index_dtype"]) if type(desc["index_dtype"]) is str else None
+            if idx is None:
+                raise ProtocolError(
+                    Reason.DTYPE, f"{where}: index_dtype {desc['index_dtype']!r} is not int32 or int64"
+                )
+            if self.used >= len(self.frames):
+                raise ProtocolError(Reason.FRAME_COUNT, f"{where}: message ends before this layer's frames")
+            k = len(self.frames[self.used]) // dtype.itemsize  # k is implied by the values frame
+            if k > numel:
+                raise ProtocolError(Reason.ENCODING, f"{where}: top-k sends {k} values for {numel} elements")
+            return [(dtype, (k,)), (idx, (k,))]
         rank = _UINT.check(desc["rank"], f"{where}.rank")
         if len(shape) < 2 or rank < 1 or rank > min(shape[0], numel // max(shape[0], 1)):
             raise ProtocolError(
                 Reason.ENCODING, f"{where}: rank {rank} is impossible for a layer of shape {list(shape)}"
             )
-        rows = shape[0]
-        layout = [(dtype, (rows, rank)), (dtype, (numel // rows, rank))]
+        return [(dtype, (shape[0], rank)), (dtype, (numel // shape[0], rank))]
 
-    sums = desc["xxh"]
-    if type(sums) is not list or len(sums) != len(layout):
-        raise ProtocolError(Reason.BAD_FIELD, f"{where}: xxh must list {len(layout)} checksums")
-    if used + len(layout) > len(frames):
-        raise ProtocolError(Reason.FRAME_COUNT, f"{where}: message ends before this layer's frames")
-
-    tensors = []
-    for j, (fdtype, fshape) in enumerate(layout):
-        buf = frames[used + j]
-        expected = math.prod(fshape) * fdtype.itemsize
-        if len(buf) != expected:
-            raise ProtocolError(
-                Reason.FRAME_SIZE, f"{where}: frame {j} has {len(buf)} bytes, expected {expected}"
-            )
-        if limits.verify_checksums:
-            want = sums[j]
-            if type(want) is not int or not 0 <= want < 2**64:
-                raise ProtocolError(Reason.BAD_FIELD, f"{where}: checksum {j} is not a 64-bit integer")
-            if checksum(buf) != want:
-                raise ProtocolError(Reason.CHECKSUM, f"{where}: frame {j} fails its checksum")
-        tensors.append(tensor_from_buffer(buf, fdtype, fshape))
-    used += len(layout)
-
-    if not limits.allow_nonfinite:
-        for j, tensor in enumerate(tensors):
-            if tensor.is_floating_point() and not _all_finite(tensor):
+    def _read(
+        self, layout: list[tuple[torch.dtype, tuple[int, ...]]], sums: object, where: str
+    ) -> list[torch.Tensor]:
+        if type(sums) is not list or len(sums) != len(layout):
+            raise ProtocolError(Reason.BAD_FIELD, f"{where}: xxh must list {len(layout)} checksums")
+        if self.used + len(layout) > len(self.frames):
+            raise ProtocolError(Reason.FRAME_COUNT, f"{where}: message ends before this layer's frames")
+        tensors = []
+        for j, (dtype, shape) in enumerate(layout):
+            buf = self.frames[self.used + j]
+            expected = math.prod(shape) * dtype.itemsize
+            if len(buf) != expected:
+                raise ProtocolError(
+                    Reason.FRAME_SIZE, f"{where}: frame {j} has {len(buf)} bytes, expected {expected}"
+                )
+            if self.limits.verify_checksums:
+                want = sums[j]
+                if type(want) is not int or not 0 <= want < 2**64:
+                    raise ProtocolError(Reason.BAD_FIELD, f"{where}: checksum {j} is not a 64-bit integer")
+                if checksum(buf) != want:
+                    raise ProtocolError(Reason.CHECKSUM, f"{where}: frame {j} fails its checksum")
+            tensor = tensor_from_buffer(buf, dtype, shape)
+            if not self.limits.allow_nonfinite and tensor.is_floating_point() and not _all_finite(tensor):
                 raise ProtocolError(Reason.NONFINITE, f"{where}: frame {j} holds NaN or Inf")
+            tensors.append(tensor)
+        self.used += len(layout)
+        return tensors
 
-    payload: Payload
+
+def _payload(enc: str, tensors: list[torch.Tensor], shape: tuple[int, ...], where: str) -> Payload:
     if enc == "dense":
-        payload = Dense(tensors[0])
-    elif enc == "topk":
+        return Dense(tensors[0])
+    if enc == "topk":
         values, indices = tensors
+        numel = math.prod(shape)
         if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= numel):
             raise ProtocolError(Reason.ENCODING, f"{where}: top-k index outside [0, {numel})")
-        payload = TopK(values, indices, shape)
-    else:
-        payload = LowRank(tensors[0], tensors[1], shape)
-
-    if kind.with_count:
-        count = _UINT.check(desc["count"], f"{where}.count")
-        if count < 1:
-            raise ProtocolError(Reason.BAD_FIELD, f"{where}: count must be at least 1")
-        return LayerGradient(name, payload, count), used
-    return LayerTensor(name, payload), used  # type: ignore[arg-type]
+        return TopK(values, indices, shape)
+    return LowRank(tensors[0], tensors[1], shape)
 
 
 def _check_shape(shape: object, where: str, limits: Limits) -> tuple[int, ...]:
@@ -377,12 +386,6 @@ def _check_shape(shape: object, where: str, limits: Limits) -> tuple[int, ...]:
     if numel > limits.max_layer_elements:
         raise ProtocolError(Reason.TOO_LARGE, f"{where}: {numel} elements, limit {limits.max_layer_elements}")
     return tuple(shape)
-
-
-def _frame_len(frames: list[memoryview], index: int, where: str) -> int:
-    if index >= len(frames):
-        raise ProtocolError(Reason.FRAME_COUNT, f"{where}: message ends before this layer's frames")
-    return len(frames[index])
 
 
 def _all_finite(tensor: torch.Tensor) -> bool:

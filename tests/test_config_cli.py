@@ -82,7 +82,7 @@ def test_printed_config_reads_back_equal(tmp_path: Path, cls: type, overrides: d
 
 
 def test_compression_specs() -> None:
-    from common.settings_checks import compression
+    from common.shared_settings import compression
 
     for good in ("none", "fp16", "bf16", "topk:0.01", "topk:1", "powersgd:4"):
         assert compression(good) is None, good

@@ -1,8 +1,11 @@
-"""Checks for setting values that both roles use (addresses, task specs, compression)."""
+"""Settings both roles declare (task, compression, log level) and checks for their values."""
 
 from __future__ import annotations
 
 import re
+from typing import Any
+
+from common.config import setting
 
 _TASK = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
 _TCP = re.compile(r"^tcp://(\*|\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
@@ -31,3 +34,17 @@ def compression(value: str) -> str | None:
     if value.startswith("topk:") and float(value[5:]) <= 0:
         return "topk ratio must be above 0"
     return None
+
+
+def task_setting() -> Any:
+    return setting(
+        "common.tasks.digits:task", "user task as module:function (model, data, loss)", check=task_spec
+    )
+
+
+def compression_setting(help: str) -> Any:
+    return setting("none", help, check=compression)
+
+
+def log_level_setting() -> Any:
+    return setting("info", "log verbosity", choices=("debug", "info", "warning", "error"))
