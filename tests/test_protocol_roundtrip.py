@@ -110,3 +110,14 @@ def test_model_announcement_round_trips_against_manifest() -> None:
     )
     decoded = decode(encode(msg), manifest=manifest)
     assert same_message(decoded, msg)
+
+
+def test_unaligned_receive_buffer_is_copied_into_an_aligned_tensor() -> None:
+    grad = torch.randn(100)
+    frames = encode(Push(seq=1, base_version=0, layers=(LayerGradient("w", Dense(grad)),)))
+    shifted = bytearray(len(frames[1]) + 1)
+    shifted[1:] = bytes(frames[1])
+    unaligned = memoryview(shifted)[1:]  # starts at an odd address
+    decoded = decode([frames[0], unaligned]).layers[0].payload.tensor
+    assert decoded.data_ptr() % 4 == 0
+    assert torch.equal(decoded, grad)
