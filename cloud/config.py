@@ -5,7 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.config import section, setting
-from common.shared_settings import compression_setting, log_level_setting, task_setting, tcp_endpoint
+from common.shared_settings import (
+    compression_setting,
+    insecure_setting,
+    log_level_setting,
+    task_setting,
+    tcp_endpoint,
+)
 
 
 @dataclass(frozen=True)
@@ -19,8 +25,8 @@ class GatewaySettings:
 
 @dataclass(frozen=True)
 class CloudSecurity:
-    insecure: bool = setting(
-        False, "accept edges without CURVE encryption and authentication (loud warning)", flag="--insecure"
+    insecure: bool = insecure_setting(
+        "accept edges without CURVE encryption and authentication (loud warning)"
     )
     gateway_secret_key: str = setting("", "file holding the gateway's CURVE secret key (mode 0600)")
     enrolled_dir: str = setting("", "folder of enrolled device public keys")

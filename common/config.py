@@ -48,8 +48,6 @@ def setting(
     `flag` replaces the derived `--table-key` name where a shorter one is expected.
     """
     metadata = {"help": help, "min": min, "max": max, "choices": choices, "check": check, "flag": flag}
-    if isinstance(default, list):
-        return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -77,22 +75,23 @@ class _Key:
         return "cfg__" + "__".join(self.path)
 
 
+_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
 def _keys(cls: type, prefix: tuple[str, ...] = ()) -> Iterator[_Key]:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.metadata.get("section"):
             yield from _keys(hints[f.name], (*prefix, f.name))
+        elif hints[f.name] not in _TYPE_NAMES:
+            raise TypeError(
+                f"{cls.__name__}.{f.name}: settings are bool, int, float or str, not {hints[f.name]}"
+            )
         else:
             yield _Key((*prefix, f.name), hints[f.name], f)
 
 
 # ---------------------------------------------------------------- values
-
-
-def _describe_type(tp: Any) -> str:
-    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
-        tp, "a list of strings"
-    )
 
 
 def _coerce(key: _Key, value: Any, *, from_text: bool) -> Any:
@@ -107,12 +106,10 @@ def _coerce(key: _Key, value: Any, *, from_text: bool) -> Any:
     elif tp is float:
         ok = type(value) in (int, float) and math.isfinite(value)
         value = float(value) if ok else value
-    elif tp is str:
+    else:
         ok = type(value) is str
-    else:  # list[str]
-        ok = type(value) is list and all(type(v) is str for v in value)
     if not ok:
-        raise ValueError(f"must be {_describe_type(tp)}, got {value!r}")
+        raise ValueError(f"must be {_TYPE_NAMES[tp]}, got {value!r}")
     meta = key.field.metadata
     if meta["min"] is not None and value < meta["min"]:
         raise ValueError(f"must be >= {meta['min']}, got {value!r}")
@@ -145,9 +142,7 @@ def _parse_text(tp: Any, text: str) -> Any:
             return float(text)
         except ValueError:
             return text
-    if tp is str:
-        return text
-    return [item.strip() for item in text.split(",") if item.strip()]
+    return text
 
 
 # ---------------------------------------------------------------- loading
@@ -196,8 +191,8 @@ def _from_table(cls: type[T], table: dict[str, Any], source: str, prefix: tuple[
 
 def load(cls: type[T], path: Path | None = None, overrides: dict[str, str] | None = None) -> T:
     """Defaults, then the file, then overrides (dotted key -> flag text), all validated."""
+    keys = {k.dotted: k for k in _keys(cls)}  # also refuses settings of unsupported types
     config = _from_table(cls, read_toml(path), str(path), ()) if path else cls()
-    keys = {k.dotted: k for k in _keys(cls)}
     for dotted, text in (overrides or {}).items():
         key = keys.get(dotted)
         if key is None:
@@ -229,7 +224,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     group = parser.add_argument_group("settings (each overrides the config file)")
     for key in _keys(cls):
         meta = key.field.metadata
-        default = key.field.default if key.field.default is not dataclasses.MISSING else "[]"
+        default = key.field.default
         extra = f" (choices: {', '.join(map(str, meta['choices']))})" if meta["choices"] else ""
         if key.type is bool:  # `--flag` alone means true; `--flag false` also works
             kwargs: dict[str, Any] = {"nargs": "?", "const": "true", "metavar": "BOOL"}
@@ -278,6 +273,4 @@ def _toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a valid TOML basic string
-    return "[" + ", ".join(json.dumps(v) for v in value) + "]"
+    return json.dumps(value)  # a JSON string is a valid TOML basic string

@@ -1,4 +1,4 @@
-"""Settings both roles declare (task, compression, log level) and checks for their values."""
+"""Settings both roles declare (task, compression, log level, insecure) and checks for their values."""
 
 from __future__ import annotations
 
@@ -48,3 +48,8 @@ def compression_setting(help: str) -> Any:
 
 def log_level_setting() -> Any:
     return setting("info", "log verbosity", choices=("debug", "info", "warning", "error"))
+
+
+def insecure_setting(help: str) -> Any:
+    """`--insecure`: the one explicit way to run without CURVE (DESIGN.md guarantee 4)."""
+    return setting(False, help, flag="--insecure")

@@ -5,14 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.config import section, setting
-from common.shared_settings import compression_setting, log_level_setting, task_setting, tcp_endpoint
+from common.shared_settings import (
+    compression_setting,
+    insecure_setting,
+    log_level_setting,
+    task_setting,
+    tcp_endpoint,
+)
 
 
 @dataclass(frozen=True)
 class EdgeSecurity:
-    insecure: bool = setting(
-        False, "run without CURVE encryption and authentication (loud warning)", flag="--insecure"
-    )
+    insecure: bool = insecure_setting("run without CURVE encryption and authentication (loud warning)")
     gateway_public_key: str = setting("", "file holding the gateway's CURVE public key")
     device_secret_key: str = setting("", "file holding this device's CURVE secret key (mode 0600)")
 

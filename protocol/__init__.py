@@ -22,11 +22,10 @@ from protocol.messages import (
     Reject,
     Welcome,
 )
-from protocol.payload import ENCODINGS, FLOAT_DTYPES, Dense, LowRank, Payload, TopK
+from protocol.payload import FLOAT_DTYPES, Dense, LowRank, Payload, TopK
 
 __all__ = [
     "DEFAULT_LIMITS",
-    "ENCODINGS",
     "FLOAT_DTYPES",
     "MESSAGE_TYPES",
     "PROTOCOL_VERSION",

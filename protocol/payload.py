@@ -145,4 +145,3 @@ class LowRank:
 
 
 Payload = Dense | TopK | LowRank
-ENCODINGS: dict[str, type] = {"dense": Dense, "topk": TopK, "lowrank": LowRank}

@@ -156,3 +156,14 @@ def test_cli_help_does_not_import_torch() -> None:
 def test_no_command_prints_usage_and_fails() -> None:
     result = run_cli()
     assert result.returncode == EXIT_USAGE and "COMMAND" in result.stderr
+
+
+def test_a_setting_of_an_unsupported_type_is_refused_at_declaration() -> None:
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class Bad:
+        hosts: list = cfg.setting(None, "a list, which flags and TOML here do not carry")
+
+    with pytest.raises(TypeError, match="Bad.hosts"):
+        list(cfg._keys(Bad))
