@@ -1,0 +1,246 @@
+"""Scenarios that run inside each rank (see tests/distributed.py): LayerwiseDDP against torch DDP.
+
+Every scenario builds the same model twice per rank (the two copies start equal on
+a rank but differ between ranks, so the initial broadcast is exercised), trains
+one copy under torch's DistributedDataParallel and the other under LayerwiseDDP
+on the same per-rank data, and reports the largest differences in gradients
+(after every backward), parameters and buffers.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from cloud.layerwise import LayerwiseDDP
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class ConvBN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+        )
+        self.head = nn.Linear(16 * 8 * 8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).flatten(1))
+
+
+class TiedLM(nn.Module):
+    """Embedding and output projection share one weight (used twice per step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 32)
+        self.mix = nn.Linear(32, 32)
+        self.out = nn.Linear(32, 50, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.mix(self.embed(tokens))))
+
+
+class Branchy(nn.Module):
+    """`side` is used only on some ranks and steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(20, 32)
+        self.side = nn.Linear(32, 32)
+        self.never = nn.Linear(32, 32)  # unused on every rank: gradient must stay None
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor, use_side: bool) -> torch.Tensor:
+        h = torch.relu(self.trunk(x))
+        if use_side:
+            h = h + torch.relu(self.side(h))
+        return self.head(h)
+
+
+class PartlyFrozen(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Sequential(nn.Linear(20, 32), nn.ReLU())
+        self.frozen.requires_grad_(False)
+        self.head = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.frozen(x))
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    "mlp": MLP, "cnn_bn": ConvBN, "tied": TiedLM, "branchy": Branchy, "frozen": PartlyFrozen,
+}
+
+
+def _batch(model: str, rank: int, step: int, micro: int = 0, dtype: torch.dtype = torch.float32) -> tuple:
+    g = torch.Generator().manual_seed(10_000 * rank + 100 * step + micro)
+    if model == "tied":
+        tokens = torch.randint(0, 50, (16,), generator=g)
+        return (tokens,), torch.randint(0, 50, (16,), generator=g)
+    if model == "cnn_bn":
+        return (torch.randn(8, 1, 8, 8, generator=g).to(dtype),), torch.randint(0, 5, (8,), generator=g)
+    x = torch.randn(8, 20, generator=g).to(dtype)
+    return (x,), torch.randint(0, 5, (8,), generator=g)
+
+
+def _extra(model: str, rank: int, step: int) -> dict[str, Any]:
+    if model == "branchy":
+        return {"use_side": (rank + step) % 3 == 0}  # some ranks use it, some steps nobody does
+    return {}
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.grad = 0.0
+        self.none_mismatch: list[str] = []
+        self.bit_exact = True
+
+    def grads(self, ref: nn.Module, ours: nn.Module) -> None:
+        for (name, a), b in zip(ref.named_parameters(), ours.parameters()):
+            if (a.grad is None) != (b.grad is None):
+                self.none_mismatch.append(name)
+                continue
+            if a.grad is None:
+                continue
+            self.grad = max(self.grad, (a.grad.double() - b.grad.double()).abs().max().item())
+            self.bit_exact &= torch.equal(a.grad, b.grad)
+
+
+def compare_with_ddp(
+    rank: int,
+    world: int,
+    model: str = "mlp",
+    flavour: str = "plain",
+    steps: int = 4,
+    dtype: str = "float32",
+    compile_backend: str | None = None,
+    **options: Any,
+) -> dict[str, Any]:
+    torch_dtype = getattr(torch, dtype)
+    torch.manual_seed(1000 + rank)  # different on every rank: the broadcast must make them equal
+    base = MODELS[model]().to(torch_dtype)
+    find_unused = model == "branchy"
+    ref = DDP(copy.deepcopy(base), find_unused_parameters=find_unused)
+    inner = copy.deepcopy(base)
+    if compile_backend:
+        inner = torch.compile(inner, backend=compile_backend)
+    ours = LayerwiseDDP(inner, find_unused_parameters=find_unused, **options)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    opt_ours = torch.optim.SGD(ours.parameters(), lr=0.05, momentum=0.9)
+    rec = Recorder()
+
+    def loss_of(net: nn.Module, step: int, micro: int) -> torch.Tensor:
+        inputs, target = _batch(model, rank, step, micro, torch_dtype)
+        return F.cross_entropy(net(*inputs, **_extra(model, rank, step)).float(), target)
+
+    for step in range(steps):
+        if flavour == "plain":
+            loss_of(ref, step, 0).backward()
+            loss_of(ours, step, 0).backward()
+        elif flavour == "no_sync":  # gradient accumulation over 3 micro-batches
+            for net in (ref, ours):
+                with net.no_sync():
+                    loss_of(net, step, 0).backward()
+                    loss_of(net, step, 1).backward()
+                loss_of(net, step, 2).backward()
+        elif flavour == "multi_backward":  # ours syncs every backward; DDP is told to sync only the last
+            with ref.no_sync():
+                loss_of(ref, step, 0).backward()
+            loss_of(ref, step, 1).backward()
+            loss_of(ours, step, 0).backward()
+            loss_of(ours, step, 1).backward()
+        else:
+            raise ValueError(flavour)
+        rec.grads(ref, ours)
+        opt_ref.step()
+        opt_ours.step()
+        opt_ref.zero_grad()
+        opt_ours.zero_grad()
+
+    param_diff = max(
+        (a.double() - b.double()).abs().max().item() for a, b in zip(ref.parameters(), ours.parameters())
+    )
+    buffer_diff = max(
+        [(a.double() - b.double()).abs().max().item() for a, b in zip(ref.buffers(), ours.buffers())] or [0.0]
+    )
+    params_equal_across_ranks = _same_on_all_ranks(list(ours.parameters()))
+    return {
+        "max_grad_diff": rec.grad,
+        "max_param_diff": param_diff,
+        "max_buffer_diff": buffer_diff,
+        "grads_bit_exact": rec.bit_exact,
+        "params_bit_exact": all(torch.equal(a, b) for a, b in zip(ref.parameters(), ours.parameters())),
+        "none_mismatch": rec.none_mismatch,
+        "ranks_agree": params_equal_across_ranks,
+        "units": ours.stats.units,
+        "replans": ours.stats.replans,
+        "plan": ours.plan(),
+    }
+
+
+def _same_on_all_ranks(params: list[torch.Tensor]) -> bool:
+    flat = torch.cat([p.detach().double().reshape(-1) for p in params])
+    low, high = flat.clone(), flat.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    return bool(torch.equal(low, high))
+
+
+def rank_fails_mid_backward(rank: int, world: int, how: str = "die", timeout_s: float = 3.0) -> dict[str, Any]:
+    """Rank `world - 1` dies (or hangs) inside backward; the others must raise, naming a layer, in time."""
+    torch.manual_seed(0)
+    model = MLP()
+
+    class Trap(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return _TrapFn.apply(x)
+
+    model.net.insert(2, Trap())  # between the first and second linear layer: mid-backward
+    ours = LayerwiseDDP(model, timeout_s=timeout_s)
+    x = torch.randn(8, 20)
+    F.cross_entropy(ours(x), torch.zeros(8, dtype=torch.long)).backward()  # one good step
+    _TrapFn.armed = rank == world - 1 and how
+    started = time.monotonic()
+    try:
+        F.cross_entropy(ours(x), torch.zeros(8, dtype=torch.long)).backward()
+    except Exception as exc:
+        return {"error_type": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - started}
+    return {"error_type": None, "message": "", "seconds": time.monotonic() - started}
+
+
+class _TrapFn(torch.autograd.Function):
+    armed: str | bool = False
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        if _TrapFn.armed == "die":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if _TrapFn.armed == "hang":
+            time.sleep(3600)
+        return grad
