@@ -39,7 +39,7 @@ COMMANDS: tuple[Command, ...] = (
         ("cloud", "train"),
         "train as a torchrun cloud worker with layer-wise sync",
         config="cloud.config:CloudConfig",
-        issue=3,
+        run="cloud.train:run",
     ),
     Command(
         ("cloud", "serve"),

@@ -175,9 +175,9 @@ class GradientHooks:
             for u in range(self._next_unit, len(self.plan)):
                 self._pending[u] = 0
             self._release_ready()
-            self.sink.backward_done()
         finally:
             self._reset()
+        self.sink.backward_done()  # after the reset: the sink may change the plan (adaptive re-planning)
 
     def _reset(self) -> None:
         self._in_backward = False

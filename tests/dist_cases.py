@@ -114,6 +114,7 @@ def _extra(model: str, rank: int, step: int) -> dict[str, Any]:
 class Recorder:
     def __init__(self) -> None:
         self.grad = 0.0
+        self.scale = 0.0
         self.none_mismatch: list[str] = []
         self.bit_exact = True
 
@@ -125,6 +126,7 @@ class Recorder:
             if a.grad is None:
                 continue
             self.grad = max(self.grad, (a.grad.double() - b.grad.double()).abs().max().item())
+            self.scale = max(self.scale, a.grad.double().abs().max().item())
             self.bit_exact &= torch.equal(a.grad, b.grad)
 
 
@@ -136,6 +138,7 @@ def compare_with_ddp(
     steps: int = 4,
     dtype: str = "float32",
     compile_backend: str | None = None,
+    compile_outer: bool = False,
     **options: Any,
 ) -> dict[str, Any]:
     torch_dtype = getattr(torch, dtype)
@@ -147,6 +150,8 @@ def compare_with_ddp(
     if compile_backend:
         inner = torch.compile(inner, backend=compile_backend)
     ours = LayerwiseDDP(inner, find_unused_parameters=find_unused, **options)
+    if compile_outer:  # torch.compile(LayerwiseDDP(model)): same gradients, or a clear refusal
+        ours = torch.compile(ours, backend=compile_backend or "aot_eager")
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     opt_ours = torch.optim.SGD(ours.parameters(), lr=0.05, momentum=0.9)
     rec = Recorder()
@@ -188,6 +193,8 @@ def compare_with_ddp(
     params_equal_across_ranks = _same_on_all_ranks(list(ours.parameters()))
     return {
         "max_grad_diff": rec.grad,
+        "grad_scale": rec.scale,
+        "eps": torch.finfo(torch_dtype).eps,
         "max_param_diff": param_diff,
         "max_buffer_diff": buffer_diff,
         "grads_bit_exact": rec.bit_exact,
@@ -244,3 +251,129 @@ class _TrapFn(torch.autograd.Function):
         if _TrapFn.armed == "hang":
             time.sleep(3600)
         return grad
+
+
+def compare_many(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Several compare_with_ddp scenarios in one set of processes (spawning costs seconds)."""
+    results = []
+    for case in cases:
+        try:
+            results.append(compare_with_ddp(rank, world, **case))
+        except Exception as exc:  # reported per case; the next case still runs
+            results.append({"error": f"{type(exc).__name__}: {exc}"})
+    return results
+
+
+def error_feedback(rank: int, world: int, specs: list[str], steps: int = 5) -> dict[str, Any]:
+    """Error feedback, checked on what each rank actually hands to the collectives.
+
+    Per rank and unit: sum over steps of what was sent + the residual == sum over
+    steps of (gradient / world).  For PowerSGD, whose error is taken against the
+    shared approximation, the same identity is checked summed over ranks, with
+    the received sums.
+    """
+    from cloud import collectives, compression
+
+    sent: dict[str, list[torch.Tensor]] = {}
+    real_all_reduce, real_all_gather = collectives.UnitComm.all_reduce, collectives.UnitComm.all_gather
+
+    def recording_all_reduce(self: Any, tensor: torch.Tensor) -> Any:
+        sent.setdefault(self.label, []).append(tensor.detach().clone())
+        return real_all_reduce(self, tensor)
+
+    def recording_all_gather(self: Any, outputs: Any, tensor: torch.Tensor) -> Any:
+        sent.setdefault(self.label, []).append(tensor.detach().clone())
+        return real_all_gather(self, outputs, tensor)
+
+    collectives.UnitComm.all_reduce = recording_all_reduce  # type: ignore[method-assign]
+    collectives.UnitComm.all_gather = recording_all_gather  # type: ignore[method-assign]
+    out: dict[str, Any] = {}
+    try:
+        for spec in specs:
+            sent.clear()
+            torch.manual_seed(7)
+            ours = LayerwiseDDP(MLP(), compression=spec, pack_cap_bytes=0)
+            plain = MLP()
+            index = {name: i for i, (name, _) in enumerate(plain.named_parameters())}
+            units = ours.sync.units
+            true_sum = [torch.zeros(u.flat.numel(), dtype=torch.float64) for u in units]
+            received_sum = [torch.zeros(u.flat.numel(), dtype=torch.float64) for u in units]
+            opt = torch.optim.SGD(ours.parameters(), lr=0.05)
+            plain_params = list(plain.parameters())
+            our_params = list(ours.module.parameters())
+            for step in range(steps):
+                plain.load_state_dict(ours.module.state_dict())
+                plain.zero_grad()
+                (x,), y = _batch("mlp", rank, step)
+                F.cross_entropy(plain(x), y).backward()
+                F.cross_entropy(ours(x), y).backward()
+                for u, unit in enumerate(units):
+                    names = [ours.layer_names[i] for i in unit.params]
+                    true_sum[u] += torch.cat([plain_params[index[n]].grad.reshape(-1) for n in names]).double()
+                    received_sum[u] += torch.cat([our_params[index[n]].grad.reshape(-1) for n in names]).double()
+                opt.step()
+                opt.zero_grad()
+            per_rank = global_ = 0.0
+            scale = residual_norm = 0.0
+            for u, unit in enumerate(units):
+                comp = unit.compressor
+                residual = comp.residual.double() if comp.residual is not None else torch.zeros_like(true_sum[u])
+                residual_norm += residual.norm().item()
+                expected = true_sum[u] / world
+                scale = max(scale, expected.abs().max().item())
+                if isinstance(comp, compression.PowerSGDCompressor):
+                    lhs = received_sum[u] + _sum_over_ranks(residual)
+                    global_ = max(global_, (lhs - _sum_over_ranks(expected)).abs().max().item())
+                    continue
+                sent_sum = torch.zeros_like(expected)
+                for wire in sent[unit.label]:
+                    if isinstance(comp, compression.TopKCompressor):
+                        values = wire[: comp._vbytes].view(comp._dtype).double()
+                        indices = wire[comp._vbytes:].view(torch.int32).long()
+                        sent_sum.index_add_(0, indices, values)
+                    else:
+                        sent_sum += wire.double()
+                per_rank = max(per_rank, (sent_sum + residual - expected).abs().max().item())
+            dense = sum(p.numel() * p.element_size() for p in our_params)
+            out[spec] = {"per_rank_violation": per_rank, "global_violation": global_, "scale": scale,
+                         "residual_norm": residual_norm, "wire_bytes": ours.stats.wire_bytes_last_step,
+                         "dense_bytes": dense}
+    finally:
+        collectives.UnitComm.all_reduce = real_all_reduce  # type: ignore[method-assign]
+        collectives.UnitComm.all_gather = real_all_gather  # type: ignore[method-assign]
+    return out
+
+
+def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
+    t = t.clone()
+    dist.all_reduce(t)
+    return t
+
+
+def divergence_is_named(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 nudges one layer behind the sync's back; the check must name that layer on every rank."""
+    torch.manual_seed(0)
+    ours = LayerwiseDDP(MLP(), check_every=2)
+    (x,), y = _batch("mlp", rank, 0)
+    F.cross_entropy(ours(x), y).backward()  # forward 1: no check
+    if rank == 1:
+        with torch.no_grad():
+            ours.module.net[2].weight[3, 4] += 1e-6
+    try:
+        ours(x)  # forward 2: checked
+    except Exception as exc:
+        return {"error_type": type(exc).__name__, "message": str(exc)}
+    return {"error_type": None, "message": ""}
+
+
+def train_digits(rank: int, world: int, compressions: list[str], epochs: int = 20) -> dict[str, Any]:
+    """Train the embedded digits task once per compression; report accuracy and bytes."""
+    from cloud.config import SyncSettings, TrainSettings
+    from cloud.train import train
+    from common.tasks.digits import task
+
+    out = {}
+    for spec in compressions:
+        result = train(task(), SyncSettings(compression=spec), TrainSettings(epochs=epochs), torch.device("cpu"))
+        out[spec] = result.as_dict()
+    return out

@@ -1,0 +1,174 @@
+"""`elasticfed cloud train` / `python -m cloud`: a torchrun worker that trains a task with layer-wise sync.
+
+Launched by `torchrun --nproc_per_node=N -m cloud [flags]`, each worker reads
+its rank from torchrun's environment, trains on its shard of the task's data
+(a DistributedSampler split), and rank 0 evaluates after every epoch.  Started
+without torchrun it trains alone (world size 1) and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
+
+from cloud.collectives import CollectiveError
+from cloud.config import CloudConfig, SyncSettings, TrainSettings
+from cloud.layerwise import DivergenceError, LayerwiseDDP
+from common.task import Task, TaskError, load_task
+
+log = logging.getLogger("elasticfed.cloud")
+
+EXIT_SYNC_FAILED = 3
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    accuracy: float
+    epochs: int
+    steps: int
+    seconds: float
+    wire_bytes_per_step: int
+    final_loss: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def pick_backend(requested: str) -> str:
+    """nccl when asked for, or when `auto` finds a GPU; gloo otherwise."""
+    if requested == "auto":
+        return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    if requested == "nccl" and not torch.cuda.is_available():
+        raise RuntimeError("backend nccl was asked for but this machine has no CUDA device; use gloo")
+    return requested
+
+
+def wrap(model: torch.nn.Module, sync: SyncSettings) -> LayerwiseDDP:
+    """LayerwiseDDP configured from the `[sync]` table."""
+    return LayerwiseDDP(
+        model,
+        strategy=sync.strategy,
+        compression=sync.compression,
+        overlap=sync.overlap,
+        streams=sync.streams,
+        pack_cap_bytes=sync.pack_cap_kib * 1024,
+        timeout_s=sync.timeout_s,
+        check_every=sync.check_every or None,
+        find_unused_parameters=sync.find_unused_parameters,
+    )
+
+
+def train(task: Task, sync: SyncSettings, settings: TrainSettings, device: torch.device) -> TrainResult:
+    """Train `task` on this rank's shard; every rank returns the same accuracy (rank 0 evaluates)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(settings.seed)
+    model = wrap(task.build_model().to(device), sync)
+    lr = settings.lr or task.lr
+    batch_size = settings.batch_size or task.batch_size
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=task.momentum)
+    data = task.train_set()
+    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=settings.seed)
+    loader = DataLoader(data, batch_size=batch_size, sampler=sampler, drop_last=True)
+    # Cosine decay to zero over the run: the last epochs settle instead of bouncing.
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, settings.epochs * len(loader)))
+    test_set = task.test_set()
+    started = time.perf_counter()
+    steps = 0
+    accuracy = 0.0
+    last_loss = float("nan")
+    for epoch in range(settings.epochs):
+        sampler.set_epoch(epoch)
+        total = 0.0
+        count = 0
+        for x, y in loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            loss = task.loss(model(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            total += loss.item()
+            count += 1
+            steps += 1
+        last_loss = total / max(count, 1)
+        score = torch.tensor([task.evaluate(model.module, test_set) if rank == 0 else 0.0], device=device)
+        dist.broadcast(score, src=0)
+        accuracy = float(score.item())
+        if rank == 0:
+            log.info(
+                "epoch %d/%d  loss %.4f  test accuracy %.2f%%  sync %.1f KiB/step on the wire",
+                epoch + 1, settings.epochs, last_loss, accuracy * 100, model.stats.wire_bytes_last_step / 1024,
+            )
+    return TrainResult(
+        accuracy=accuracy,
+        epochs=settings.epochs,
+        steps=steps,
+        seconds=time.perf_counter() - started,
+        wire_bytes_per_step=model.stats.wire_bytes_last_step,
+        final_loss=last_loss,
+    )
+
+
+def _init_from_environment(backend: str, timeout_s: float) -> tuple[torch.device, bool]:
+    """Join torchrun's process group, or make a one-rank group when started alone."""
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if launched:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+        return device, True
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=timeout)
+    return device, False
+
+
+def run(args: argparse.Namespace, config: CloudConfig) -> int:
+    """CLI runner: exit 0 on success, 2 on a bad task, 3 when sync fails (naming the layer)."""
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format=f"%(asctime)s rank{os.environ.get('RANK', '0')} %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        task = load_task(config.task)
+    except (TaskError, ImportError) as exc:
+        print(f"elasticfed cloud train: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        backend = pick_backend(config.train.backend)
+    except RuntimeError as exc:
+        print(f"elasticfed cloud train: error: {exc}", file=sys.stderr)
+        return 2
+    device, launched = _init_from_environment(backend, config.sync.timeout_s)
+    if not launched:
+        log.warning("not started by torchrun: training alone (world size 1); "
+                    "use `torchrun --nproc_per_node=N -m cloud` for N workers")
+    try:
+        result = train(task, config.sync, config.train, device)
+    except (CollectiveError, DivergenceError) as exc:
+        log.error("%s", exc)
+        return EXIT_SYNC_FAILED
+    if dist.get_rank() == 0:
+        log.info("done: accuracy %.2f%% after %d epochs, %d steps, %.1f s",
+                 result.accuracy * 100, result.epochs, result.steps, result.seconds)
+        print(json.dumps({"task": task.name, "world_size": dist.get_world_size(), "backend": backend,
+                          **result.as_dict()}))
+    dist.destroy_process_group()
+    return 0

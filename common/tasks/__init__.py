@@ -1,0 +1,1 @@
+"""Embedded tasks (the defaults of the demo and the tests)."""
