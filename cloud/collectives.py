@@ -23,7 +23,7 @@ class CollectiveError(RuntimeError):
 class UnitComm:
     """Collectives of one sync unit on one process group, with a deadline on every wait."""
 
-    __slots__ = ("group", "label", "rank", "timeout", "world", "_started")
+    __slots__ = ("done_at", "group", "label", "rank", "record_completion", "timeout", "world", "_started")
 
     def __init__(self, group: dist.ProcessGroup, label: str, timeout: timedelta) -> None:
         self.group = group
@@ -32,21 +32,35 @@ class UnitComm:
         self.world = dist.get_world_size(group)
         self.timeout = timeout
         self._started = 0.0
+        # When set, the time each collective completes is noted (from the backend's future);
+        # the adaptive planner and the [SYNC] debug lines read it.
+        self.record_completion = False
+        self.done_at = 0.0
 
     def all_reduce(self, tensor: torch.Tensor) -> dist.Work:
         """Sum over ranks, asynchronously."""
         self._started = time.perf_counter()
         try:
-            return dist.all_reduce(tensor, group=self.group, async_op=True)
+            work = dist.all_reduce(tensor, group=self.group, async_op=True)
         except Exception as exc:  # gloo/NCCL raise RuntimeError and friends; one translation point
             raise self._error("all-reduce", exc) from exc
+        return self._noted(work)
 
     def all_gather(self, outputs: Sequence[torch.Tensor], tensor: torch.Tensor) -> dist.Work:
         self._started = time.perf_counter()
         try:
-            return dist.all_gather(list(outputs), tensor, group=self.group, async_op=True)
+            work = dist.all_gather(list(outputs), tensor, group=self.group, async_op=True)
         except Exception as exc:
             raise self._error("all-gather", exc) from exc
+        return self._noted(work)
+
+    def _noted(self, work: dist.Work) -> dist.Work:
+        if self.record_completion:
+            work.get_future().then(self._note_done)
+        return work
+
+    def _note_done(self, _: torch.futures.Future) -> None:
+        self.done_at = time.perf_counter()
 
     def wait(self, work: dist.Work, op: str) -> None:
         try:

@@ -41,7 +41,7 @@ class Compressor(ABC):
     def start(self, flat: torch.Tensor) -> None:
         """Begin exchanging `flat` (this rank's gradient / world size); may modify it."""
 
-    def advance(self) -> None:
+    def advance(self) -> None:  # noqa: B027 - optional step, most methods have one round
         """Second round of communication, if the method has one; called in unit order."""
 
     @abstractmethod
@@ -297,6 +297,4 @@ def make_compressor(
         if not arg.isdigit() or int(arg) < 1:
             raise ValueError(f"compression {spec!r}: the PowerSGD rank must be a positive integer")
         return PowerSGDCompressor(shapes, dtype, device, comm, int(arg))
-    raise ValueError(
-        f"compression {spec!r} is not one of none, fp16, bf16, topk:<ratio>, powersgd:<rank>"
-    )
+    raise ValueError(f"compression {spec!r} is not one of none, fp16, bf16, topk:<ratio>, powersgd:<rank>")

@@ -29,10 +29,16 @@ class SyncSettings:
         "layerwise", "how layers are grouped for sync", choices=("layerwise", "blockwise", "adaptive")
     )
     compression: str = compression_setting("gradient compression between cloud ranks (with error feedback)")
-    overlap: bool = setting(True, "overlap each layer's all-reduce with the rest of backward (off: block per layer)")
-    streams: int = setting(1, "process groups over the same ranks; units are spread across them", min=1, max=16)
+    overlap: bool = setting(
+        True, "overlap each layer's all-reduce with the rest of backward (off: block per layer)"
+    )
+    streams: int = setting(
+        1, "process groups over the same ranks; units are spread across them", min=1, max=16
+    )
     pack_cap_kib: int = setting(1024, "layers smaller than this are packed into one collective", min=0)
-    timeout_s: float = setting(300.0, "a collective not done after this long raises, naming the layer", min=0.1)
+    timeout_s: float = setting(
+        300.0, "a collective not done after this long raises, naming the layer", min=0.1
+    )
     check_every: int = setting(0, "compare parameter checksums across ranks every N steps (0: off)", min=0)
     find_unused_parameters: bool = setting(
         False, "leave gradients of parameters no rank used as None, exactly like DDP (one small all-reduce)"
@@ -46,7 +52,9 @@ class TrainSettings:
     lr: float = setting(0.0, "SGD learning rate (0: the task's default)", min=0.0)
     seed: int = setting(0, "seed for model initialisation and data shuffling", min=0)
     backend: str = setting(
-        "auto", "torch.distributed backend (auto: nccl with a GPU, else gloo)", choices=("auto", "gloo", "nccl")
+        "auto",
+        "torch.distributed backend (auto: nccl with a GPU, else gloo)",
+        choices=("auto", "gloo", "nccl"),
     )
 
 

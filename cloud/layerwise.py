@@ -19,6 +19,7 @@ import math
 import os
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -60,11 +61,30 @@ class SyncStats:
 class _Unit:
     """One collective's worth of parameters, with buffers allocated once."""
 
-    __slots__ = ("comm", "compressor", "current", "dtype", "flat", "index", "label", "nbytes",
-                 "params", "started", "views")
+    __slots__ = (
+        "comm",
+        "compressor",
+        "current",
+        "dtype",
+        "flat",
+        "index",
+        "label",
+        "nbytes",
+        "params",
+        "started",
+        "views",
+    )
 
-    def __init__(self, index: int, params: list[int], names: Sequence[str], tensors: Sequence[nn.Parameter],
-                 group: dist.ProcessGroup, timeout: timedelta, compression: str) -> None:
+    def __init__(
+        self,
+        index: int,
+        params: list[int],
+        names: Sequence[str],
+        tensors: Sequence[nn.Parameter],
+        group: dist.ProcessGroup,
+        timeout: timedelta,
+        compression: str,
+    ) -> None:
         self.index = index
         self.params = params
         first = tensors[params[0]]
@@ -75,17 +95,20 @@ class _Unit:
         if len(params) == 1:
             self.label = f"layer {names[params[0]]!r} (unit {index})"
         else:
-            self.label = (f"layers {names[params[0]]!r} .. {names[params[-1]]!r} "
-                          f"({len(params)} layers, unit {index})")
+            self.label = (
+                f"layers {names[params[0]]!r} .. {names[params[-1]]!r} ({len(params)} layers, unit {index})"
+            )
         self.flat = torch.empty(numel, dtype=self.dtype, device=first.device)
         self.views: list[torch.Tensor] = []
         offset = 0
         for shape in shapes:
             size = math.prod(shape)
-            self.views.append(self.flat[offset: offset + size].view(shape))
+            self.views.append(self.flat[offset : offset + size].view(shape))
             offset += size
         self.comm = UnitComm(group, self.label, timeout)
-        self.compressor: Compressor = make_compressor(compression, shapes, self.dtype, first.device, self.comm)
+        self.compressor: Compressor = make_compressor(
+            compression, shapes, self.dtype, first.device, self.comm
+        )
         self.current: torch.Tensor | None = None
         self.started = 0.0
 
@@ -93,8 +116,17 @@ class _Unit:
 class LayerSync:
     """The cloud sink of the hook manager: one asynchronous collective per unit, waited at the end."""
 
-    def __init__(self, names: Sequence[str], params: Sequence[nn.Parameter], groups: Sequence[dist.ProcessGroup],
-                 *, compression: str, overlap: bool, find_unused_parameters: bool, timeout: timedelta) -> None:
+    def __init__(
+        self,
+        names: Sequence[str],
+        params: Sequence[nn.Parameter],
+        groups: Sequence[dist.ProcessGroup],
+        *,
+        compression: str,
+        overlap: bool,
+        find_unused_parameters: bool,
+        timeout: timedelta,
+    ) -> None:
         self.names = list(names)
         self.params = list(params)
         self.groups = list(groups)
@@ -111,15 +143,27 @@ class LayerSync:
         self._used = torch.zeros(len(params), dtype=torch.int32, device=params[0].device)
         self._used_comm = UnitComm(groups[0], "the used-parameter map", timeout)
         self.after_step: Callable[[], None] | None = None
+        self.record_completion = False  # set by the adaptive strategy; debug logging turns it on too
+        self.service_samples: deque[tuple[int, float]] = deque(maxlen=1024)
 
     def build(self, plan: Sequence[Sequence[int]]) -> None:
         """(Re)allocate units and their buffers for a plan; never on the hot path."""
         self.units = [
-            _Unit(u, list(unit), self.names, self.params, self.groups[u % len(self.groups)], self.timeout,
-                  self.compression)
+            _Unit(
+                u,
+                list(unit),
+                self.names,
+                self.params,
+                self.groups[u % len(self.groups)],
+                self.timeout,
+                self.compression,
+            )
             for u, unit in enumerate(plan)
         ]
         self.stats.units = len(self.units)
+        record = self.record_completion or log.isEnabledFor(logging.DEBUG)
+        for unit in self.units:
+            unit.comm.record_completion = record
 
     # ------------------------------------------------------------ the sink
     def unit_ready(self, u: int) -> None:
@@ -135,7 +179,7 @@ class LayerSync:
                     g = self.params[i].grad
                     if g is None:
                         view.zero_()
-                    else:
+                    elif g.data_ptr() != view.data_ptr():  # after the first step .grad *is* the view
                         view.copy_(g)
             flat.div_(self.world)
             unit.current = flat
@@ -167,13 +211,26 @@ class LayerSync:
             wire = 0
             times = []
             debug = log.isEnabledFor(logging.DEBUG)
+            stream_free: dict[int, float] = {}
+            now = time.perf_counter()
             for unit in self._launched:
                 self._write_back(unit)
                 wire += unit.compressor.wire_bytes
-                ms = (time.perf_counter() - unit.started) * 1e3
-                times.append(ms)
+                done = unit.comm.done_at if unit.comm.record_completion else now
+                times.append((done - unit.started) * 1e3)
+                if unit.comm.record_completion:
+                    # Service time: from when the stream could start this unit to its completion.
+                    lane = id(unit.comm.group)
+                    began = max(unit.started, stream_free.get(lane, 0.0))
+                    stream_free[lane] = done
+                    self.service_samples.append((unit.compressor.wire_bytes, max(done - began, 0.0)))
                 if debug:
-                    log.debug("[SYNC] %s: %.2f ms, %d B on the wire", unit.label, ms, unit.compressor.wire_bytes)
+                    log.debug(
+                        "[SYNC] %s: %.2f ms from ready to reduced, %d B on the wire",
+                        unit.label,
+                        times[-1],
+                        unit.compressor.wire_bytes,
+                    )
             self.stats.steps += 1
             self.stats.wire_bytes_last_step = wire
             self.stats.wire_bytes_total += wire
@@ -193,7 +250,9 @@ class LayerSync:
         for i, view in zip(unit.params, unit.views):
             p = self.params[i]
             if p.grad is not None:
-                p.grad.copy_(view)
+                # The gradient becomes a view of the unit's buffer (DDP's gradient_as_bucket_view):
+                # no copy out now, and none in at the next step unless zero_grad() set it to None.
+                p.grad = view
                 continue
             if self.find_unused_parameters and int(self._used[i]) == 0:
                 continue  # unused on every rank: left as None, like DDP
@@ -206,7 +265,7 @@ class LayerSync:
                     "gradients as None, exactly like DDP.",
                     stacklevel=2,
                 )
-            p.grad = view.clone()
+            p.grad = view
 
     def _check_usable(self) -> None:
         if self.failed is not None:
@@ -296,21 +355,46 @@ class LayerwiseDDP(nn.Module):
         self._forwards = 0
 
         self._broadcast_state()
-        self.sync = LayerSync(self.layer_names, params, groups, compression=compression, overlap=overlap,
-                              find_unused_parameters=find_unused_parameters, timeout=timeout)
-        plan = planning.initial_plan(strategy, self.layer_names, self._sizes, self._dtypes, pack_cap_bytes,
-                                     block_of)
+        self.sync = LayerSync(
+            self.layer_names,
+            params,
+            groups,
+            compression=compression,
+            overlap=overlap,
+            find_unused_parameters=find_unused_parameters,
+            timeout=timeout,
+        )
+        plan = planning.initial_plan(
+            strategy, self.layer_names, self._sizes, self._dtypes, pack_cap_bytes, block_of
+        )
         self.sync.build(plan)
         self.hooks = GradientHooks(named, self.sync, plan)
         self._cost: planning.CommCost | None = None
-        self._ready_sum = torch.zeros(len(params), dtype=torch.float64)
-        self._ready_steps = 0
+        self._tuning: dict[str, Any] = {
+            "elapsed": 0.0,
+            "steps": 0,
+            "ready": torch.zeros(len(params), dtype=torch.float64),
+            "candidates": [],
+            "times": [],
+            "baseline": None,
+        }
         if strategy == "adaptive":
             self._cost = planning.probe_comm_cost(self.process_group, params[0].device)
+            self.sync.record_completion = True
+            self.sync.build(plan)
             self.sync.after_step = self._observe_for_replan
-        log.info("layer-wise sync: %d layers in %d units, strategy %s, compression %s, %d stream(s), "
-                 "overlap %s, rank %d of %d", len(params), len(plan), strategy, compression, streams,
-                 "on" if overlap else "off", self.rank, self.world_size)
+        log.info(
+            "layer-wise sync: %d layers in %d units, strategy %s, compression %s, %d stream(s), "
+            "overlap %s, rank %d of %d",
+            len(params),
+            len(plan),
+            strategy,
+            compression,
+            streams,
+            "on" if overlap else "off",
+            self.rank,
+            self.world_size,
+        )
 
     # -------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -385,41 +469,90 @@ class LayerwiseDDP(nn.Module):
                 if self.rank != 0:
                     offset = 0
                     for t in group:
-                        t.copy_(flat[offset: offset + t.numel()].view_as(t))
+                        t.copy_(flat[offset : offset + t.numel()].view_as(t))
                         offset += t.numel()
 
     def _observe_for_replan(self) -> None:
-        """Adaptive strategy: fold in this step's ready times; re-plan on schedule (same step on all ranks)."""
+        """Adaptive strategy: time candidate plans on the real job, keep the fastest, re-tune on drift.
+
+        Runs at the end of every backward.  Every decision is taken at the same
+        step on every rank from all-reduced or broadcast numbers, so all ranks
+        always switch plans together.
+        """
         assert self._cost is not None
-        self._ready_sum += torch.tensor(self.hooks.ready_at, dtype=torch.float64)
-        self._ready_steps += 1
+        tuning = self._tuning
+        tuning["elapsed"] += time.perf_counter() - self.hooks._started
+        tuning["ready"] += torch.tensor(self.hooks.ready_at, dtype=torch.float64)
+        tuning["steps"] += 1
         steps = self.sync.stats.steps
-        warmup = 3
-        if not (steps == warmup or (steps > warmup and steps % self.replan_every == 0)):
+        trial_steps = 4
+        if tuning["candidates"]:  # timing candidates: one settle step, then trial_steps timed
+            if tuning["steps"] == 1:
+                tuning["elapsed"] = 0.0
+            if tuning["steps"] < trial_steps + 1:
+                return
+            tuning["times"].append(tuning["elapsed"] / trial_steps)
+            nxt = len(tuning["times"])
+            if nxt < len(tuning["candidates"]):
+                self._switch(tuning["candidates"][nxt])
+            else:
+                times = torch.tensor(tuning["times"], dtype=torch.float64)
+                dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self.process_group)
+                best = int(times.argmin())
+                tuning["baseline"] = float(times[best])
+                self._switch(tuning["candidates"][best])
+                log.info(
+                    "adaptive sync: timed %d plans (%s ms per backward); chose %d units",
+                    len(times),
+                    ", ".join(f"{t * 1e3:.1f}" for t in times.tolist()),
+                    self.sync.stats.units,
+                )
+                tuning["candidates"] = []
+                if best:
+                    self.sync.stats.replans += 1
+            self._restart_window()
             return
-        mean = self._ready_sum / self._ready_steps
-        dist.all_reduce(mean, group=self.process_group)  # same inputs on every rank
-        mean /= self.world_size
-        ready = mean.tolist()
-        flags = torch.zeros(len(ready) + 1, dtype=torch.int32)
+        warmup = 3
+        if steps == warmup or (steps > warmup and tuning["steps"] >= self.replan_every):
+            mean = torch.tensor([tuning["elapsed"] / tuning["steps"]], dtype=torch.float64)
+            dist.all_reduce(mean, op=dist.ReduceOp.MAX, group=self.process_group)
+            drifted = tuning["baseline"] is None or float(mean) > tuning["baseline"] * 1.15
+            if drifted:
+                self._propose_candidates()
+            self._restart_window()
+
+    def _propose_candidates(self) -> None:
+        """Rank 0 proposes plans from measured ready times and costs; every rank receives them."""
+        assert self._cost is not None
+        ready = self._tuning["ready"] / max(self._tuning["steps"], 1)
+        dist.all_reduce(ready, group=self.process_group)
+        ready = (ready / self.world_size).tolist()
+        n = len(ready)
+        most = 6
+        table = torch.zeros(most + 1, n, dtype=torch.int32)
         if self.rank == 0:
-            current = self.hooks.plan
-            proposal = planning.best_plan(ready, self._sizes, self._dtypes, self._cost)
-            now = planning.finish_time(current, ready, self._sizes, self._cost, len(self.sync.groups))
-            then = planning.finish_time(proposal, ready, self._sizes, self._cost, len(self.sync.groups))
-            if proposal != current and then < now * 0.95:
-                flags[0] = 1
-                flags[1:] = planning.plan_to_boundaries(proposal, len(ready))
-                log.info("adaptive sync: re-planned into %d units (predicted %.2f ms -> %.2f ms after "
-                         "backward start)", len(proposal), now * 1e3, then * 1e3)
-        dist.broadcast(flags, src=self._src, group=self.process_group)
-        self._ready_sum.zero_()
-        self._ready_steps = 0
-        if int(flags[0]):
-            plan = planning.boundaries_to_plan(flags[1:])
+            self._cost = planning.fit_comm_cost(list(self.sync.service_samples), self._cost)
+            plans = planning.candidate_plans(self.hooks.plan, ready, self._sizes, self._dtypes, self._cost)[
+                :most
+            ]
+            table[0, 0] = len(plans)
+            for k, plan in enumerate(plans):
+                table[k + 1] = planning.plan_to_boundaries(plan, n)
+        dist.broadcast(table, src=self._src, group=self.process_group)
+        count = int(table[0, 0])
+        self._tuning["candidates"] = [planning.boundaries_to_plan(table[k + 1]) for k in range(count)]
+        self._tuning["times"] = []
+        self._switch(self._tuning["candidates"][0])
+
+    def _switch(self, plan: list[list[int]]) -> None:
+        if plan != self.hooks.plan:
             self.sync.build(plan)
             self.hooks.set_plan(plan)
-            self.sync.stats.replans += 1
+
+    def _restart_window(self) -> None:
+        self._tuning["elapsed"] = 0.0
+        self._tuning["steps"] = 0
+        self._tuning["ready"].zero_()
 
 
 def _coalesce(tensors: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:

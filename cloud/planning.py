@@ -69,6 +69,34 @@ def probe_comm_cost(group: dist.ProcessGroup, device: torch.device, repeats: int
     return CommCost(alpha_s=max(timings[0], 1e-6), beta_s_per_byte=beta)
 
 
+def fit_comm_cost(samples: Sequence[tuple[int, float]], fallback: CommCost) -> CommCost:
+    """Fit alpha + beta * bytes to measured (bytes, seconds) service times, robustly.
+
+    Service times under load are noisy (the backend's thread shares cores with
+    backward), so each distinct size contributes its median, weighted by how
+    often it was seen.  With a single size beta cannot be told from alpha: the
+    fallback's beta is kept and alpha fitted alone (likewise when all sizes are
+    within a factor of two of each other).
+    """
+    by_size: dict[int, list[float]] = {}
+    for nbytes, seconds in samples:
+        by_size.setdefault(nbytes, []).append(seconds)
+    if not by_size:
+        return fallback
+    points = [(float(b), sorted(ts)[len(ts) // 2], len(ts)) for b, ts in by_size.items()]
+    weight = sum(w for _, _, w in points)
+    mean_x = sum(x * w for x, _, w in points) / weight
+    mean_y = sum(y * w for _, y, w in points) / weight
+    var = sum(w * (x - mean_x) ** 2 for x, _, w in points)
+    sizes = [x for x, _, _ in points]
+    if var <= 0 or max(sizes) < 2 * min(sizes):  # too little spread to separate the two terms
+        beta = fallback.beta_s_per_byte
+    else:
+        beta = max(sum(w * (x - mean_x) * (y - mean_y) for x, y, w in points) / var, 0.0)
+    alpha = max(mean_y - beta * mean_x, 1e-6)
+    return CommCost(alpha_s=alpha, beta_s_per_byte=beta)
+
+
 def finish_time(
     plan: Sequence[Sequence[int]],
     ready_at: Sequence[float],
@@ -137,6 +165,32 @@ def best_plan(
         j = i
     plan.reverse()
     return plan
+
+
+def candidate_plans(
+    current: Sequence[Sequence[int]],
+    ready_at: Sequence[float],
+    sizes_bytes: Sequence[int],
+    dtypes: Sequence[torch.dtype],
+    cost: CommCost,
+) -> list[list[list[int]]]:
+    """Plans worth timing on the real job: the current one, the model's optimum, and optima for
+    costlier collectives (the model treats communication as free for the compute it overlaps;
+    where the backend's threads share cores with backward it is not), down to one unit per dtype."""
+    plans = [[list(u) for u in current]]
+    for scale in (1.0, 4.0, 16.0, 64.0):
+        scaled = CommCost(cost.alpha_s * scale, cost.beta_s_per_byte)
+        plans.append(best_plan(ready_at, sizes_bytes, dtypes, scaled))
+    plans.append(
+        best_plan(
+            ready_at, sizes_bytes, dtypes, CommCost(1e3, 0.0), max_unit_bytes=1 << 62, lookback=len(ready_at)
+        )
+    )
+    unique: list[list[list[int]]] = []
+    for plan in plans:
+        if plan not in unique:
+            unique.append(plan)
+    return unique
 
 
 def plan_to_boundaries(plan: Sequence[Sequence[int]], n: int) -> torch.Tensor:

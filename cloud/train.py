@@ -82,7 +82,9 @@ def train(task: Task, sync: SyncSettings, settings: TrainSettings, device: torch
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=settings.seed)
     loader = DataLoader(data, batch_size=batch_size, sampler=sampler, drop_last=True)
     # Cosine decay to zero over the run: the last epochs settle instead of bouncing.
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, settings.epochs * len(loader)))
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(
+        optimizer, T_max=max(1, settings.epochs * len(loader))
+    )
     test_set = task.test_set()
     started = time.perf_counter()
     steps = 0
@@ -109,7 +111,11 @@ def train(task: Task, sync: SyncSettings, settings: TrainSettings, device: torch
         if rank == 0:
             log.info(
                 "epoch %d/%d  loss %.4f  test accuracy %.2f%%  sync %.1f KiB/step on the wire",
-                epoch + 1, settings.epochs, last_loss, accuracy * 100, model.stats.wire_bytes_last_step / 1024,
+                epoch + 1,
+                settings.epochs,
+                last_loss,
+                accuracy * 100,
+                model.stats.wire_bytes_last_step / 1024,
             )
     return TrainResult(
         accuracy=accuracy,
@@ -136,7 +142,9 @@ def _init_from_environment(backend: str, timeout_s: float) -> tuple[torch.device
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=timeout)
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=timeout
+    )
     return device, False
 
 
@@ -158,17 +166,32 @@ def run(args: argparse.Namespace, config: CloudConfig) -> int:
         return 2
     device, launched = _init_from_environment(backend, config.sync.timeout_s)
     if not launched:
-        log.warning("not started by torchrun: training alone (world size 1); "
-                    "use `torchrun --nproc_per_node=N -m cloud` for N workers")
+        log.warning(
+            "not started by torchrun: training alone (world size 1); "
+            "use `torchrun --nproc_per_node=N -m cloud` for N workers"
+        )
     try:
         result = train(task, config.sync, config.train, device)
     except (CollectiveError, DivergenceError) as exc:
         log.error("%s", exc)
         return EXIT_SYNC_FAILED
     if dist.get_rank() == 0:
-        log.info("done: accuracy %.2f%% after %d epochs, %d steps, %.1f s",
-                 result.accuracy * 100, result.epochs, result.steps, result.seconds)
-        print(json.dumps({"task": task.name, "world_size": dist.get_world_size(), "backend": backend,
-                          **result.as_dict()}))
+        log.info(
+            "done: accuracy %.2f%% after %d epochs, %d steps, %.1f s",
+            result.accuracy * 100,
+            result.epochs,
+            result.steps,
+            result.seconds,
+        )
+        print(
+            json.dumps(
+                {
+                    "task": task.name,
+                    "world_size": dist.get_world_size(),
+                    "backend": backend,
+                    **result.as_dict(),
+                }
+            )
+        )
     dist.destroy_process_group()
     return 0

@@ -218,23 +218,24 @@ def _rebuild(value: Any, swap: dict[int, torch.Tensor]) -> Any:
 def pack_by_size(
     sizes_bytes: Sequence[int], dtypes: Sequence[torch.dtype], cap_bytes: int
 ) -> list[list[int]]:
-    """Layer-wise plan: a layer at or above the cap goes alone; adjacent smaller layers of one
-    dtype share a unit up to the cap (DESIGN.md section 3)."""
+    """Layer-wise plan: adjacent layers of one dtype share a unit until it reaches the cap.
+
+    A layer at or above the cap therefore carries at most the small layers just
+    before it (a bias rides with the next weight) instead of paying a collective
+    of its own; with cap 0 every layer is its own unit (DESIGN.md section 3).
+    """
     units: list[list[int]] = []
     current: list[int] = []
     current_bytes = 0
     for i, (size, dtype) in enumerate(zip(sizes_bytes, dtypes)):
-        if size >= cap_bytes:
-            if current:
-                units.append(current)
-                current, current_bytes = [], 0
-            units.append([i])
-            continue
-        if current and (current_bytes + size > cap_bytes or dtypes[current[0]] != dtype):
+        if current and dtypes[current[0]] != dtype:
             units.append(current)
             current, current_bytes = [], 0
         current.append(i)
         current_bytes += size
+        if current_bytes >= cap_bytes:
+            units.append(current)
+            current, current_bytes = [], 0
     if current:
         units.append(current)
     return units

@@ -38,8 +38,12 @@ class ConvBN(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-            nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+            nn.Conv2d(1, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.Conv2d(8, 16, 3, padding=1),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
         )
         self.head = nn.Linear(16 * 8 * 8, 5)
 
@@ -90,7 +94,11 @@ class PartlyFrozen(nn.Module):
 
 
 MODELS: dict[str, Callable[[], nn.Module]] = {
-    "mlp": MLP, "cnn_bn": ConvBN, "tied": TiedLM, "branchy": Branchy, "frozen": PartlyFrozen,
+    "mlp": MLP,
+    "cnn_bn": ConvBN,
+    "tied": TiedLM,
+    "branchy": Branchy,
+    "frozen": PartlyFrozen,
 }
 
 
@@ -215,7 +223,9 @@ def _same_on_all_ranks(params: list[torch.Tensor]) -> bool:
     return bool(torch.equal(low, high))
 
 
-def rank_fails_mid_backward(rank: int, world: int, how: str = "die", timeout_s: float = 3.0) -> dict[str, Any]:
+def rank_fails_mid_backward(
+    rank: int, world: int, how: str = "die", timeout_s: float = 3.0
+) -> dict[str, Any]:
     """Rank `world - 1` dies (or hangs) inside backward; the others must raise, naming a layer, in time."""
     torch.manual_seed(0)
     model = MLP()
@@ -309,15 +319,21 @@ def error_feedback(rank: int, world: int, specs: list[str], steps: int = 5) -> d
                 F.cross_entropy(ours(x), y).backward()
                 for u, unit in enumerate(units):
                     names = [ours.layer_names[i] for i in unit.params]
-                    true_sum[u] += torch.cat([plain_params[index[n]].grad.reshape(-1) for n in names]).double()
-                    received_sum[u] += torch.cat([our_params[index[n]].grad.reshape(-1) for n in names]).double()
+                    true_sum[u] += torch.cat(
+                        [plain_params[index[n]].grad.reshape(-1) for n in names]
+                    ).double()
+                    received_sum[u] += torch.cat(
+                        [our_params[index[n]].grad.reshape(-1) for n in names]
+                    ).double()
                 opt.step()
                 opt.zero_grad()
             per_rank = global_ = 0.0
             scale = residual_norm = 0.0
             for u, unit in enumerate(units):
                 comp = unit.compressor
-                residual = comp.residual.double() if comp.residual is not None else torch.zeros_like(true_sum[u])
+                residual = (
+                    comp.residual.double() if comp.residual is not None else torch.zeros_like(true_sum[u])
+                )
                 residual_norm += residual.norm().item()
                 expected = true_sum[u] / world
                 scale = max(scale, expected.abs().max().item())
@@ -329,15 +345,20 @@ def error_feedback(rank: int, world: int, specs: list[str], steps: int = 5) -> d
                 for wire in sent[unit.label]:
                     if isinstance(comp, compression.TopKCompressor):
                         values = wire[: comp._vbytes].view(comp._dtype).double()
-                        indices = wire[comp._vbytes:].view(torch.int32).long()
+                        indices = wire[comp._vbytes :].view(torch.int32).long()
                         sent_sum.index_add_(0, indices, values)
                     else:
                         sent_sum += wire.double()
                 per_rank = max(per_rank, (sent_sum + residual - expected).abs().max().item())
             dense = sum(p.numel() * p.element_size() for p in our_params)
-            out[spec] = {"per_rank_violation": per_rank, "global_violation": global_, "scale": scale,
-                         "residual_norm": residual_norm, "wire_bytes": ours.stats.wire_bytes_last_step,
-                         "dense_bytes": dense}
+            out[spec] = {
+                "per_rank_violation": per_rank,
+                "global_violation": global_,
+                "scale": scale,
+                "residual_norm": residual_norm,
+                "wire_bytes": ours.stats.wire_bytes_last_step,
+                "dense_bytes": dense,
+            }
     finally:
         collectives.UnitComm.all_reduce = real_all_reduce  # type: ignore[method-assign]
         collectives.UnitComm.all_gather = real_all_gather  # type: ignore[method-assign]
@@ -374,6 +395,8 @@ def train_digits(rank: int, world: int, compressions: list[str], epochs: int = 2
 
     out = {}
     for spec in compressions:
-        result = train(task(), SyncSettings(compression=spec), TrainSettings(epochs=epochs), torch.device("cpu"))
+        result = train(
+            task(), SyncSettings(compression=spec), TrainSettings(epochs=epochs), torch.device("cpu")
+        )
         out[spec] = result.as_dict()
     return out

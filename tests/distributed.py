@@ -45,7 +45,9 @@ def _entry(
         result = fn(rank, world, **kwargs)
         Path(out).write_text(json.dumps({"ok": result}))
     except BaseException as exc:  # reported to the test, with the traceback
-        Path(out).write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()}))
+        Path(out).write_text(
+            json.dumps({"error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()})
+        )
     finally:
         # Skip interpreter teardown: a peer may already be gone, and gloo's destructors can block on it.
         os._exit(0)
@@ -96,7 +98,11 @@ def run_ranks(
         else:
             results.append({"error": f"rank {r} exited with code {p.exitcode} and no result", "tb": ""})
     if not expect_errors:
-        errors = [f"rank {r}: {res['error']}\n{res.get('tb', '')}" for r, res in enumerate(results) if "error" in res]
+        errors = [
+            f"rank {r}: {res['error']}\n{res.get('tb', '')}"
+            for r, res in enumerate(results)
+            if "error" in res
+        ]
         if errors:
             raise AssertionError("\n".join(errors))
     return results

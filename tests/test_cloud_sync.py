@@ -15,9 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 import dist_cases
+import pytest
 from distributed import run_ranks
 
 TOL = 1e-6  # float32; half-precision gradients may differ by one rounding of the sum (see below)
@@ -51,8 +50,11 @@ NOT_BIT_EXACT = {"several-backwards"}  # we sync each backward: a + avg(b) inste
 def ddp_results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict]:
     world = request.param
     results = run_ranks(
-        dist_cases.compare_many, world, tmp_path_factory.mktemp("ranks"),
-        cases=[options for _, options in CASES], deadline_s=300,
+        dist_cases.compare_many,
+        world,
+        tmp_path_factory.mktemp("ranks"),
+        cases=[options for _, options in CASES],
+        deadline_s=300,
     )
     per_rank = [r["ok"] for r in results]
     return world, {name: [rank[i] for rank in per_rank] for i, (name, _) in enumerate(CASES)}
@@ -88,8 +90,14 @@ def test_failed_rank_raises_naming_the_layer(tmp_path: Path, world: int, how: st
     timeout_s = 2.0
     survivors = list(range(world - 1))
     results = run_ranks(
-        dist_cases.rank_fails_mid_backward, world, tmp_path, how=how, timeout_s=timeout_s,
-        expect_errors=True, wait_for=survivors, deadline_s=60,
+        dist_cases.rank_fails_mid_backward,
+        world,
+        tmp_path,
+        how=how,
+        timeout_s=timeout_s,
+        expect_errors=True,
+        wait_for=survivors,
+        deadline_s=60,
     )
     for rank in survivors:
         res = results[rank]["ok"]
@@ -149,8 +157,17 @@ def _cloud_env() -> dict[str, str]:
 @pytest.mark.slow
 def test_torchrun_trains_digits_out_of_the_box(tmp_path: Path) -> None:
     torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun), "--standalone", "--nproc_per_node=2", "-m", "cloud", "--train-epochs", "20",
-           "--log-level", "warning"]
+    cmd = [
+        str(torchrun),
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "cloud",
+        "--train-epochs",
+        "20",
+        "--log-level",
+        "warning",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_cloud_env(), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
@@ -161,7 +178,11 @@ def test_torchrun_trains_digits_out_of_the_box(tmp_path: Path) -> None:
 def test_bad_task_is_refused_clearly(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "cloud", "--task", "no_such_module:task"],
-        capture_output=True, text=True, timeout=120, env=_cloud_env(), cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_cloud_env(),
+        cwd=tmp_path,
     )
     assert done.returncode == 2
     assert "cannot import module 'no_such_module'" in done.stderr

@@ -71,7 +71,10 @@ def test_flag_errors_name_the_flag() -> None:
     ("cls", "overrides"),
     [
         (EdgeConfig, {"client_id": 'jetson "7"\tline', "timeout_ms": "42", "security.insecure": "true"}),
-        (CloudConfig, {"edge_weight": "0.25", "gateway.round_deadline_s": "1e-2", "sync.strategy": "adaptive"}),
+        (
+            CloudConfig,
+            {"edge_weight": "0.25", "gateway.round_deadline_s": "1e-2", "sync.strategy": "adaptive"},
+        ),
     ],
 )
 def test_printed_config_reads_back_equal(tmp_path: Path, cls: type, overrides: dict[str, str]) -> None:

@@ -24,9 +24,7 @@ def _split() -> tuple[TensorDataset, TensorDataset]:
         from sklearn.datasets import load_digits
         from sklearn.model_selection import train_test_split
     except ImportError as exc:  # scikit-learn is the `demo` extra
-        raise ImportError(
-            "the digits task needs scikit-learn: pip install 'elasticfed[demo]'"
-        ) from exc
+        raise ImportError("the digits task needs scikit-learn: pip install 'elasticfed[demo]'") from exc
     digits = load_digits()
     x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
     y = torch.tensor(digits.target, dtype=torch.long)
@@ -38,8 +36,10 @@ def _split() -> tuple[TensorDataset, TensorDataset]:
 
 def build_model() -> nn.Module:
     return nn.Sequential(
-        nn.Linear(64, 128), nn.ReLU(),
-        nn.Linear(128, 128), nn.ReLU(),
+        nn.Linear(64, 128),
+        nn.ReLU(),
+        nn.Linear(128, 128),
+        nn.ReLU(),
         nn.Linear(128, 10),
     )
 
