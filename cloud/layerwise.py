@@ -55,6 +55,7 @@ class SyncStats:
     wire_bytes_last_step: int = 0
     wire_bytes_total: int = 0
     replans: int = 0
+    plans_timed: int = 0
     unit_ms_last_step: list[float] = field(default_factory=list)
 
 
@@ -541,6 +542,7 @@ class LayerwiseDDP(nn.Module):
         dist.broadcast(table, src=self._src, group=self.process_group)
         count = int(table[0, 0])
         self._tuning["candidates"] = [planning.boundaries_to_plan(table[k + 1]) for k in range(count)]
+        self.sync.stats.plans_timed += count
         self._tuning["times"] = []
         self._switch(self._tuning["candidates"][0])
 

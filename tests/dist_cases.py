@@ -211,6 +211,7 @@ def compare_with_ddp(
         "ranks_agree": params_equal_across_ranks,
         "units": ours.stats.units,
         "replans": ours.stats.replans,
+        "plans_timed": ours.stats.plans_timed,
         "plan": ours.plan(),
     }
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -25,3 +27,23 @@ def test_codec_benchmark_reports_its_figures() -> None:
     # Zero copies is a property, not a speed: it holds on any machine.
     assert figures["copies_per_payload"] == 0
     assert figures["decode_copies_per_payload"] == 0
+
+
+@pytest.mark.slow
+def test_cloud_sync_benchmark_reports_its_figures() -> None:
+    result = subprocess.run(
+        [sys.executable, "benchmarks/cloud_sync.py", "--rounds", "1", "--steps", "2", "--models", "deep",
+         "wide"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    for key in ("step_ms_ddp", "step_ms_layerwise", "ratio_vs_ddp"):
+        assert figures[key] > 0, key
+    assert figures["max_abs_grad_diff"] == 0.0  # 2 ranks: one addition per element, bit-exact
+    assert set(figures["models"]) == {"deep", "wide"}
+    sent = figures["bytes_per_step"]
+    assert sent["layerwise"] == sent["ddp"] and sent["topk:0.01"] < sent["ddp"] / 10

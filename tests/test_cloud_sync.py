@@ -36,7 +36,8 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     # training itself in later steps (2 ranks stay bit-exact however long it runs).
     ("fp16-gradients", {"model": "cnn_bn", "dtype": "float16", "pack_cap_bytes": 0, "steps": 2}),
     ("blockwise", {"model": "cnn_bn", "strategy": "blockwise"}),
-    ("adaptive", {"model": "cnn_bn", "strategy": "adaptive", "pack_cap_bytes": 0, "steps": 6}),
+    # 40 steps: 3 to measure, then every candidate plan is timed on the job for 5 steps.
+    ("adaptive", {"model": "cnn_bn", "strategy": "adaptive", "pack_cap_bytes": 0, "steps": 40}),
     ("two-streams", {"model": "cnn_bn", "streams": 3, "pack_cap_bytes": 0}),
     ("overlap-off", {"model": "tied", "overlap": False, "pack_cap_bytes": 0}),
     ("compiled-inner", {"model": "mlp", "compile_backend": "aot_eager", "pack_cap_bytes": 0}),
@@ -80,8 +81,8 @@ def test_same_result_as_ddp(ddp_results: tuple[int, dict], case: str) -> None:
     plans = {json.dumps(res["plan"]) for res in results[case]}
     assert len(plans) == 1, "ranks used different plans"
     if case == "adaptive":
-        assert all(res["replans"] >= 1 for res in results[case]), "adaptive never re-planned"
-        assert all(res["units"] < 10 for res in results[case]), "adaptive kept one unit per layer"
+        # Several plans were run (and switched between) mid-training, and DDP's result still held.
+        assert all(res["plans_timed"] >= 2 for res in results[case]), results[case][0]
 
 
 @pytest.mark.slow
