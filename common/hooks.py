@@ -56,7 +56,8 @@ class _BackwardStart(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hooks: GradientHooks, *outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.hooks = hooks
-        return tuple(t.view_as(t) for t in outputs)
+        # A copy, not a view: the caller may modify the outputs in place (as with DDP's _DDPSink).
+        return tuple(t.clone() for t in outputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:

@@ -147,6 +147,7 @@ def compare_with_ddp(
     dtype: str = "float32",
     compile_backend: str | None = None,
     compile_outer: bool = False,
+    set_to_none: bool = True,
     **options: Any,
 ) -> dict[str, Any]:
     torch_dtype = getattr(torch, dtype)
@@ -189,8 +190,8 @@ def compare_with_ddp(
         rec.grads(ref, ours)
         opt_ref.step()
         opt_ours.step()
-        opt_ref.zero_grad()
-        opt_ours.zero_grad()
+        opt_ref.zero_grad(set_to_none=set_to_none)
+        opt_ours.zero_grad(set_to_none=set_to_none)
 
     param_diff = max(
         (a.double() - b.double()).abs().max().item() for a, b in zip(ref.parameters(), ours.parameters())

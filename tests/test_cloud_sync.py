@@ -29,6 +29,8 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("tied-embedding", {"model": "tied", "pack_cap_bytes": 0}),
     ("unused-branch", {"model": "branchy", "pack_cap_bytes": 0, "steps": 6}),
     ("no-sync-accumulation", {"model": "mlp", "flavour": "no_sync", "pack_cap_bytes": 0}),
+    # Gradients kept between steps: after the first step .grad is a view of the unit's buffer.
+    ("grads-zeroed-not-freed", {"model": "cnn_bn", "set_to_none": False, "flavour": "no_sync"}),
     ("frozen-submodule", {"model": "frozen", "pack_cap_bytes": 0}),
     ("several-backwards", {"model": "mlp", "flavour": "multi_backward", "pack_cap_bytes": 0}),
     ("bf16-gradients", {"model": "mlp", "dtype": "bfloat16", "pack_cap_bytes": 0}),

@@ -154,6 +154,10 @@ def test_arm_keeps_output_structure_and_values() -> None:
     assert torch.equal(armed["logits"], y) and armed["logits"] is not y
     with torch.no_grad():
         assert hooks.arm(model(x)) is not None
+    armed = hooks.arm(model(x))
+    armed.mul_(2)  # outputs may be modified in place, as with a plain model
+    armed.sum().backward()
+    assert torch.equal(model.bias.grad, torch.full((2,), 2.0))
 
 
 def test_bad_plans_are_refused() -> None:
