@@ -136,7 +136,13 @@ def _init_from_environment(backend: str, timeout_s: float) -> tuple[torch.device
         device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+        if device.type == "cuda":
+            try:  # binding the device up front lets NCCL connect eagerly (torch >= 2.3)
+                dist.init_process_group(backend, timeout=timeout, device_id=device)
+            except TypeError:
+                dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend, timeout=timeout)
         return device, True
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -67,6 +67,9 @@ def ddp_results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
 @pytest.mark.parametrize("case", [name for name, _ in CASES])
 def test_same_result_as_ddp(ddp_results: tuple[int, dict], case: str) -> None:
     world, results = ddp_results
+    refused = [r for r in results[case] if "compile the model inside it" in r.get("error", "")]
+    if case == "compiled-outer" and len(refused) == world:
+        return  # refused on every rank with a message that says what to do: the other acceptable outcome
     for rank, res in enumerate(results[case]):
         assert "error" not in res, f"rank {rank}: {res.get('error')}"
         assert res["none_mismatch"] == [], f"rank {rank}: None/non-None gradient differs from DDP"
