@@ -402,3 +402,22 @@ def train_digits(rank: int, world: int, compressions: list[str], epochs: int = 2
         )
         out[spec] = result.as_dict()
     return out
+
+
+def sync_log_lines(rank: int, world: int) -> list[str]:
+    """At debug level every unit logs one [SYNC] line per step."""
+    import logging
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logger = logging.getLogger("elasticfed.sync")
+    logger.addHandler(Keep())
+    logger.setLevel(logging.DEBUG)
+    ours = LayerwiseDDP(MLP(), pack_cap_bytes=0)
+    (x,), y = _batch("mlp", rank, 0)
+    F.cross_entropy(ours(x), y).backward()
+    return [line for line in records if line.startswith("[SYNC]")]

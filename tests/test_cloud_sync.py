@@ -192,3 +192,10 @@ def test_bad_task_is_refused_clearly(tmp_path: Path) -> None:
     )
     assert done.returncode == 2
     assert "cannot import module 'no_such_module'" in done.stderr
+
+
+@pytest.mark.slow
+def test_debug_level_logs_one_sync_line_per_layer(tmp_path: Path) -> None:
+    lines = run_ranks(dist_cases.sync_log_lines, 2, tmp_path)[0]["ok"]
+    assert len(lines) == 6, lines  # MLP: 3 weights + 3 biases, each its own unit
+    assert all(" ms from ready to reduced, " in line and "'net." in line for line in lines), lines
