@@ -17,9 +17,18 @@ from common.shared_settings import (
 @dataclass(frozen=True)
 class GatewaySettings:
     bind: str = setting("tcp://*:7878", "endpoint the edge gateway listens on", check=tcp_endpoint)
-    round_deadline_s: float = setting(5.0, "a round closes this long after it opens", min=0.01)
-    quorum: int = setting(1, "a round may close early once this many edges contributed", min=1)
+    round_deadline_s: float = setting(5.0, "a round closes this long after its first contribution", min=0.01)
+    quorum: int = setting(1, "a round closes early once this many edges contributed to every layer", min=1)
     max_staleness: int = setting(8, "contributions older than this many versions are dropped", min=0)
+    staleness_discount: float = setting(
+        1.0, "scale a contribution by this to the power of its staleness (1: none)", min=0.001, max=1.0
+    )
+    lr: float = setting(0.0, "learning rate of the gateway's SGD on the averages (0: the task's)", min=0.0)
+    momentum: float = setting(0.9, "momentum of the gateway's SGD", min=0.0, max=0.999)
+    credit: int = setting(8, "pushes one edge may have outstanding (flow control)", min=1, max=4096)
+    window: int = setting(1024, "recent push verdicts kept per edge for de-duplication", min=16)
+    max_rounds: int = setting(0, "stop after this many rounds (0: serve until stopped)", min=0)
+    seed: int = setting(0, "seed of the initial model", min=0)
     checkpoint_dir: str = setting(".elasticfed/gateway", "where gateway state is checkpointed")
 
 
@@ -79,3 +88,23 @@ class CloudConfig:
     train: TrainSettings = section(TrainSettings, "cloud training loop")
     gateway: GatewaySettings = section(GatewaySettings, "edge gateway")
     security: CloudSecurity = section(CloudSecurity, "CURVE keys")
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    edges: int = setting(4, "edge agents to start, each its own process", min=1, max=32)
+    rounds: int = setting(300, "rounds the gateway closes before the edges are told to stop", min=1)
+    time_limit_s: float = setting(150.0, "stop the edges after this long even if rounds remain", min=1.0)
+    loss: float = setting(0.3, "share of messages lost, each direction", min=0.0, max=0.99)
+    burst: float = setting(3.0, "mean length of a loss burst in messages (1: independent losses)", min=1.0)
+    delay_ms: float = setting(1.0, "one-way delay added to every message", min=0.0)
+    jitter_ms: float = setting(1.0, "standard deviation of that delay", min=0.0)
+    timeout_ms: int = setting(200, "per-layer deadline before a push is weakly synced", min=1)
+    partition: str = setting(
+        "iid", "how the edges split the data: iid or shards (non-IID)", choices=("iid", "shards")
+    )
+    quorum: int = setting(2, "a round closes once this many edges contributed to every layer", min=1)
+    round_deadline_s: float = setting(0.5, "or this long after its first contribution", min=0.01)
+    max_staleness: int = setting(50, "contributions more versions behind than this are dropped", min=0)
+    seed: int = setting(0, "seed for the model, the data split and the link", min=0)
+    task: str = task_setting()

@@ -34,7 +34,12 @@ class Command:
 
 
 COMMANDS: tuple[Command, ...] = (
-    Command(("demo",), "run a gateway and edge agents on this machine over a lossy link", issue=4),
+    Command(
+        ("demo",),
+        "run a gateway and edge agents on this machine over a lossy link",
+        config="cloud.config:DemoConfig",
+        run="cloud.demo:run",
+    ),
     Command(
         ("cloud", "train"),
         "train as a torchrun cloud worker with layer-wise sync",
@@ -43,15 +48,15 @@ COMMANDS: tuple[Command, ...] = (
     ),
     Command(
         ("cloud", "serve"),
-        "run the cloud service: workers plus the edge gateway on rank 0",
+        "run the cloud service: the edge gateway (standalone; with workers on rank 0: issue #8)",
         config="cloud.config:CloudConfig",
-        issue=8,
+        run="cloud.serve:run",
     ),
     Command(
         ("edge",),
         "run the edge agent: train locally, push gradients to the gateway",
         config="edge.config:EdgeConfig",
-        issue=4,
+        run="edge.run:run",
     ),
     Command(("keys", "generate"), "generate a CURVE key pair for the gateway or a device", issue=6),
     Command(("keys", "enrol"), "allow a device's public key on the gateway", issue=6),

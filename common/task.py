@@ -67,3 +67,27 @@ def load_task(spec: str) -> Task:
     if not isinstance(task, Task):
         raise TaskError(f"task {spec!r}: {attr}() returned {type(task).__name__}, expected common.task.Task")
     return task
+
+
+def shard(data: Dataset, index: int, parts: int, partition: str = "iid", seed: int = 0) -> Dataset:
+    """Part `index` of `parts` of a labelled data set, the way a fleet's devices would hold it.
+
+    `iid`: a seeded shuffle cut into equal parts.  `shards`: examples sorted by
+    label, cut into 2 x parts slices, and each device gets two of them, so most
+    devices see two or three classes (McMahan et al.'s non-IID split).
+    """
+    if not 0 <= index < parts:
+        raise ValueError(f"shard {index} of {parts} does not exist")
+    n = len(data)  # type: ignore[arg-type]
+    gen = torch.Generator().manual_seed(seed)
+    if partition == "iid":
+        order = torch.randperm(n, generator=gen)
+        return torch.utils.data.Subset(data, order[index::parts].tolist())
+    if partition != "shards":
+        raise ValueError(f"partition {partition!r} is not iid or shards")
+    labels = torch.tensor([int(data[i][1]) for i in range(n)])
+    by_label = torch.argsort(labels * n + torch.randperm(n, generator=gen), stable=True)
+    slices = torch.tensor_split(by_label, 2 * parts)
+    pick = torch.randperm(2 * parts, generator=torch.Generator().manual_seed(seed + 1))
+    mine = torch.cat([slices[int(pick[2 * index])], slices[int(pick[2 * index + 1])]])
+    return torch.utils.data.Subset(data, mine.tolist())

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from common.config import section, setting
+from common.link import Faults
 from common.shared_settings import (
     compression_setting,
     insecure_setting,
@@ -12,6 +14,26 @@ from common.shared_settings import (
     task_setting,
     tcp_endpoint,
 )
+
+_SHARD = re.compile(r"^(\d+)/(\d+)$")
+
+
+def shard_spec(value: str) -> str | None:
+    """`i/n`: this edge trains on part i (0-based) of n; empty: the whole training set."""
+    if not value:
+        return None
+    match = _SHARD.match(value)
+    if not match or not 0 <= int(match.group(1)) < int(match.group(2)):
+        return "must look like 'i/n' with 0 <= i < n, e.g. '2/4'"
+    return None
+
+
+def faults_spec(value: str) -> str | None:
+    try:
+        Faults.parse(value)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 @dataclass(frozen=True)
@@ -22,13 +44,42 @@ class EdgeSecurity:
 
 
 @dataclass(frozen=True)
+class EdgeTrain:
+    epochs: int = setting(20, "passes over this edge's data", min=1)
+    max_steps: int = setting(0, "stop after this many steps (0: no limit)", min=0)
+    batch_size: int = setting(0, "examples per step (0: the task's default)", min=0)
+    lr: float = setting(0.0, "local SGD learning rate (0: the task's default)", min=0.0)
+    seed: int = setting(0, "seed for model initialisation and shuffling", min=0)
+    shard: str = setting(
+        "", "train on part i of n of the task's data, as 'i/n' (empty: all)", check=shard_spec
+    )
+    partition: str = setting(
+        "iid",
+        "how shards split the data: iid, or shards (two label-sorted slices each: non-IID)",
+        choices=("iid", "shards"),
+    )
+
+
+@dataclass(frozen=True)
 class EdgeConfig:
     gateway: str = setting("tcp://127.0.0.1:7878", "gateway endpoint to push to", check=tcp_endpoint)
     client_id: str = setting("", "name of this device in logs and metrics (default: host name)")
     task: str = task_setting()
     timeout_ms: int = setting(500, "per-layer deadline for an ack before the layer is weakly synced", min=1)
     sync_every: int = setting(1, "local steps between syncs (1 = push every step)", min=1)
+    heartbeat_ms: int = setting(
+        1000, "heartbeat interval when idle; silence for 5 of them: reconnect", min=10
+    )
+    pack_cap_kib: int = setting(1024, "small layers are packed into one push up to this size", min=0)
+    drain_s: float = setting(30.0, "at the end, wait this long for cached gradients to be delivered", min=0.0)
+    status_every_s: float = setting(0.0, "print a JSON status line this often (0: only at the end)", min=0.0)
+    faults: str = setting(
+        "",
+        "inject faults on this agent's link, e.g. 'loss=0.3,burst=3,seed=1' (tests, demos)",
+        check=faults_spec,
+    )
     compression: str = compression_setting("payload compression")
     cache_dir: str = setting(".elasticfed/edge", "where the weak-sync cache survives restarts")
     log_level: str = log_level_setting()
+    train: EdgeTrain = section(EdgeTrain, "local training")
     security: EdgeSecurity = section(EdgeSecurity, "CURVE keys")

@@ -29,6 +29,11 @@ class Reason(str, enum.Enum):
     DUPLICATE_LAYER = "duplicate_layer"
     NONFINITE = "nonfinite"
     MANIFEST = "manifest"  # manifests of the two sides differ
+    # Verdicts of the gateway on a well-formed push:
+    DUPLICATE = "duplicate"  # this (client, seq) was answered before; not applied again
+    STALE = "stale"  # based on a model too many versions old; dropped and counted
+    NOT_WELCOMED = "not_welcomed"  # a push before a hello (e.g. the gateway restarted)
+    WINDOW = "window"  # seq too far ahead of the oldest unanswered one; resend later
 
 
 class ProtocolError(Exception):

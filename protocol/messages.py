@@ -178,6 +178,8 @@ class Push(Message):
     seq: int = wire(UINT)
     base_version: int = wire(UINT)
     layers: tuple[LayerGradient, ...] = wire(GRADIENTS)
+    # The edge holds no unanswered push below this number: the gateway may forget them.
+    resolved_below: int = wire(UINT, default=0)
 
 
 @dataclass(frozen=True)
@@ -190,6 +192,7 @@ class Ack(Message):
     credit: int = wire(UINT)
     code: str = wire(Str(64), default="")
     detail: str = wire(Str(1024), default="")
+    model_version: int = wire(UINT, default=0)  # newest model the gateway has (an announcement)
 
 
 @dataclass(frozen=True)
@@ -226,6 +229,7 @@ class Heartbeat(Message):
     TYPE: ClassVar[str] = "heartbeat"
     nonce: int = wire(UINT)
     reply: bool = wire(BOOL, default=False)
+    model_version: int = wire(UINT, default=0)  # from the gateway: its newest model (an announcement)
 
 
 @dataclass(frozen=True)

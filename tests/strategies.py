@@ -110,13 +110,19 @@ messages = st.one_of(
         durable_seq=uints,
         settings=settings,
     ),
-    st.builds(Push, seq=uints, base_version=uints, layers=gradient_layers),
+    st.builds(Push, seq=uints, base_version=uints, layers=gradient_layers, resolved_below=uints),
     st.builds(
-        Ack, seq=uints, accepted=st.booleans(), credit=uints, code=short, detail=st.text(max_size=1024)
+        Ack,
+        seq=uints,
+        accepted=st.booleans(),
+        credit=uints,
+        code=short,
+        detail=st.text(max_size=1024),
+        model_version=uints,
     ),
     st.builds(Commit, durable_seq=uints),
     st.builds(ModelRequest, have_version=uints, names=st.lists(names, max_size=5).map(tuple)),
     st.builds(Model, version=uints, full=st.booleans(), layers=parameter_layers),
-    st.builds(Heartbeat, nonce=uints, reply=st.booleans()),
+    st.builds(Heartbeat, nonce=uints, reply=st.booleans(), model_version=uints),
     st.builds(Reject, code=short, detail=st.text(max_size=1024), ref_seq=uints),
 )

@@ -1,0 +1,129 @@
+"""How the gateway turns edge contributions into one update: weighting and round policies.
+
+Two small policy objects, in the spirit of Flower's `Strategy`, around one
+concrete accumulator:
+
+- a `Weighting` says whether a contribution is admitted at its staleness and
+  how much its sum is discounted;
+- a `RoundPolicy` says when the open round closes.
+
+`SuccessWeighted` is DESIGN.md section 6: a layer's average is the sum of its
+contributions' (discounted) sums divided by the sum of their counts, where a
+count is the number of step-gradients a contribution carries.  A device whose
+pushes were weak is therefore not under-weighted, only late.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+class Weighting(Protocol):
+    """Admission and discount of a contribution by its staleness (model versions behind)."""
+
+    def admit(self, staleness: int) -> bool: ...
+
+    def scale(self, staleness: int) -> float: ...
+
+
+@dataclass(frozen=True)
+class SuccessWeighted:
+    """sum(discount**staleness * sums) / sum(counts); older than `max_staleness`: dropped, counted."""
+
+    max_staleness: int = 8
+    discount: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if not 0.0 < self.discount <= 1.0:
+            raise ValueError(f"staleness discount must be in (0, 1], got {self.discount}")
+
+    def admit(self, staleness: int) -> bool:
+        return staleness <= self.max_staleness
+
+    def scale(self, staleness: int) -> float:
+        return self.discount**staleness
+
+
+class LayerAccumulator:
+    """Running discounted sum and count of one layer's contributions in the open round."""
+
+    __slots__ = ("count", "total")
+
+    def __init__(self, numel: int, dtype: torch.dtype = torch.float32) -> None:
+        self.total = torch.zeros(numel, dtype=dtype)
+        self.count = 0
+
+    def add(self, tensor: torch.Tensor, count: int, scale: float) -> None:
+        flat = tensor.reshape(-1)
+        if scale == 1.0:
+            self.total.add_(flat)
+        else:
+            self.total.add_(flat, alpha=scale)
+        self.count += count
+
+    def average(self) -> torch.Tensor | None:
+        return self.total / self.count if self.count else None
+
+    def reset(self) -> None:
+        self.total.zero_()
+        self.count = 0
+
+
+@dataclass
+class OpenRound:
+    """What the gateway knows about the round being filled."""
+
+    number: int
+    layers: int
+    opened_at: float | None = None  # first contribution
+    covered: dict[str, set[int]] = field(default_factory=dict)  # client -> layer indices contributed
+    steps: int = 0
+    staleness_sum: int = 0
+    staleness_max: int = 0
+    contributions: int = 0
+
+    def record(self, client: str, layer_indices: list[int], count: int, staleness: int, now: float) -> None:
+        if self.opened_at is None:
+            self.opened_at = now
+        self.covered.setdefault(client, set()).update(layer_indices)
+        self.steps += count
+        self.contributions += 1
+        self.staleness_sum += staleness
+        self.staleness_max = max(self.staleness_max, staleness)
+
+    def complete_clients(self) -> int:
+        """Clients that contributed to every layer in this round."""
+        return sum(1 for layers in self.covered.values() if len(layers) == self.layers)
+
+
+class RoundPolicy(Protocol):
+    """When the open round closes."""
+
+    def should_close(self, round_: OpenRound, now: float) -> bool: ...
+
+
+@dataclass(frozen=True)
+class DeadlineQuorum:
+    """Close once `quorum` clients covered every layer, or `deadline_s` after the first contribution."""
+
+    deadline_s: float = 5.0
+    quorum: int = 1
+
+    def __post_init__(self) -> None:
+        if self.deadline_s <= 0 or self.quorum < 1:
+            raise ValueError(f"need deadline_s > 0 and quorum >= 1, got {self.deadline_s}, {self.quorum}")
+
+    def should_close(self, round_: OpenRound, now: float) -> bool:
+        if round_.opened_at is None:
+            return False  # nothing to apply
+        if round_.complete_clients() >= self.quorum:
+            return True
+        return now - round_.opened_at >= self.deadline_s
+
+    def time_left(self, round_: OpenRound, now: float) -> float | None:
+        return None if round_.opened_at is None else round_.opened_at + self.deadline_s - now

@@ -1,0 +1,113 @@
+"""`elasticfed cloud serve --mode standalone`: the edge gateway on its own (pure federated).
+
+Builds the task's model (seeded, so edges that start from the same seed agree
+before the first model arrives), serves edges until SIGTERM/SIGINT or
+`--gateway-max-rounds`, logs one line per round, and prints a JSON summary
+(version, rounds, test accuracy, counters) as its last line.  The first line
+on stdout is a JSON `ready` event with the bound endpoint, for supervisors and
+tests that bind to port 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from cloud.aggregation import DeadlineQuorum, SuccessWeighted
+from cloud.config import CloudConfig
+from cloud.gateway import Gateway, GatewayOptions, RoundSummary
+from common.task import Task, TaskError, load_task
+
+log = logging.getLogger("elasticfed.gateway")
+
+EXIT_NOT_BUILT = 69
+
+
+def build_gateway(
+    config: CloudConfig, task: Task, on_round: Callable[[RoundSummary], None] | None = None
+) -> Gateway:
+    """The gateway the `[gateway]` table describes, around the task's model."""
+    g = config.gateway
+    torch.manual_seed(g.seed)
+    model = task.build_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=g.lr or task.lr, momentum=g.momentum)
+    return Gateway(
+        model,
+        optimizer,
+        GatewayOptions(bind=g.bind, credit=g.credit, window=g.window),
+        weighting=SuccessWeighted(max_staleness=g.max_staleness, discount=g.staleness_discount),
+        rounds=DeadlineQuorum(deadline_s=g.round_deadline_s, quorum=g.quorum),
+        on_round=on_round,
+    )
+
+
+def totals(status: dict[str, Any]) -> dict[str, float]:
+    """Each counter of a gateway status summed over its labels."""
+    return {name: sum(rows.values()) for name, rows in status["metrics"].items() if name.endswith("_total")}
+
+
+def run(args: argparse.Namespace, config: CloudConfig) -> int:
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    if config.mode != "standalone":
+        print(
+            "elasticfed cloud serve: hybrid mode (cloud workers plus the gateway on rank 0) is not built "
+            "yet (tracked in issue #8); use --mode standalone for the gateway alone.",
+            file=sys.stderr,
+        )
+        return EXIT_NOT_BUILT
+    if not config.security.insecure:
+        log.warning("CURVE is not built yet (issue #6): edges connect WITHOUT encryption or authentication")
+    try:
+        task = load_task(config.task)
+    except TaskError as exc:
+        print(f"elasticfed cloud serve: error: {exc}", file=sys.stderr)
+        return 2
+
+    def on_round(summary: RoundSummary) -> None:
+        log.info(
+            "round %d -> version %d: %d edges (%d complete), %d step-gradients, staleness mean %.2f max %d",
+            summary.number,
+            summary.version,
+            summary.clients,
+            summary.complete_clients,
+            summary.steps,
+            summary.staleness_mean,
+            summary.staleness_max,
+        )
+
+    gateway = build_gateway(config, task, on_round)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    endpoint = gateway.bind()
+    print(json.dumps({"event": "ready", "endpoint": endpoint, "gateway_id": gateway.gateway_id}), flush=True)
+    started = time.monotonic()
+    gateway.serve(stop, max_rounds=config.gateway.max_rounds or None)
+    accuracy = task.evaluate(gateway.model, task.test_set())
+    status = gateway.status()
+    print(
+        json.dumps(
+            {
+                "event": "summary",
+                "gateway_id": gateway.gateway_id,
+                "version": gateway.version,
+                "accuracy": accuracy,
+                "seconds": round(time.monotonic() - started, 3),
+                "clients": status["clients"],
+                "applied_steps": status["metrics"]["gateway_applied_steps_total"],
+                "dropped_stale_steps": status["metrics"]["gateway_dropped_stale_steps_total"],
+                **totals(status),
+            }
+        ),
+        flush=True,
+    )
+    return 0

@@ -1,0 +1,116 @@
+"""`ElasticEdge`: wrap a model on a Jetson; backward pushes each layer to the gateway.
+
+The training loop stays the user's own:
+
+    model = ElasticEdge(net, SessionOptions(gateway="tcp://gw:7878", client_id="cam-7"))
+    for x, y in loader:
+        loss = loss_fn(model(x), y)       # forward first adopts a newer global model, if one came
+        optimizer.zero_grad(); loss.backward(); optimizer.step()
+    model.close(drain_s=30)               # deliver what is still cached
+
+Backward runs the same hook manager as the cloud (`common/hooks.py`); this
+module's sink adds each ready unit's gradient into the CPU cache and, on a sync
+step (every `sync_every` backwards), asks the session to push it right away, so
+layers leave while backward is still producing the earlier ones.  Nothing here
+waits on the network: a slow or dead link only makes the cached counts grow.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from common.hooks import GradientHooks, pack_by_size, trainable_parameters
+from edge.cache import GradientCache
+from edge.session import EdgeSession, SessionOptions
+from protocol import Manifest
+
+log = logging.getLogger("elasticfed.edge")
+
+
+class ElasticEdge(nn.Module):
+    """A model whose gradients are pushed to the gateway under the Elastic Sync Protocol."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        options: SessionOptions,
+        *,
+        sync_every: int = 1,
+        pack_cap_bytes: int = 1 << 20,
+        model_version: int = 0,
+        start: bool = True,
+    ) -> None:
+        super().__init__()
+        if sync_every < 1:
+            raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+        self.module = module
+        self.sync_every = sync_every
+        named = trainable_parameters(module)
+        self.manifest = Manifest.from_parameters(module.named_parameters())
+        sizes = [p.numel() * p.element_size() for _, p in named]
+        plan = pack_by_size(sizes, [p.dtype for _, p in named], pack_cap_bytes)
+        self.cache = GradientCache(
+            [[(named[i][0], tuple(named[i][1].shape), named[i][1].dtype) for i in unit] for unit in plan],
+            pin_memory=any(p.is_cuda for _, p in named),
+        )
+        self._by_name = dict(named)
+        self.version = model_version  # the global model version this edge trains from
+        self.steps = 0  # backwards that reached the sink
+        self.models_adopted = 0
+        self.session = EdgeSession(options, self.manifest, self.cache, model_version)
+        self.hooks = GradientHooks(named, self, plan)
+        if start:
+            self.session.start()
+
+    # -------------------------------------------------------------------- forward
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.adopt_newest()
+        return self.hooks.arm(self.module(*args, **kwargs))
+
+    def adopt_newest(self) -> bool:
+        """Load the newest global model the gateway sent, if it is not loaded yet."""
+        self.session.raise_if_failed()
+        model = self.session.take_model()
+        if model is None:
+            return False
+        with torch.no_grad():
+            for layer in model.layers:
+                param = self._by_name[layer.name]
+                param.copy_(layer.payload.tensor, non_blocking=True)
+        self.version = model.version
+        self.models_adopted += 1
+        return True
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate in `.grad` without pushing (micro-batches of one step)."""
+        with self.hooks.disabled():
+            yield
+
+    # ------------------------------------------------------------ GradientSink
+    def unit_ready(self, unit: int) -> None:
+        grads = [self.hooks.params[i].grad for i in self.hooks.plan[unit]]
+        self.cache.add(unit, grads, self.version)
+        if (self.steps + 1) % self.sync_every == 0:
+            self.session.request_sync([unit])
+
+    def backward_done(self) -> None:
+        self.steps += 1
+
+    # -------------------------------------------------------------------- the end
+    def close(self, drain_s: float = 0.0) -> bool:
+        """Stop syncing, after waiting up to `drain_s` for everything cached to be delivered."""
+        self.hooks.remove()
+        return self.session.close(drain_s)
+
+    def status(self) -> dict[str, object]:
+        out = self.session.status()
+        out.update(steps=self.steps, trained_from_version=self.version, models_adopted=self.models_adopted)
+        out["produced_steps"] = {name: unit.produced for unit in self.cache.units for name in unit.names}
+        return out

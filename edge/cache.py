@@ -1,0 +1,206 @@
+"""The edge's CPU-side gradient cache: per unit, what is not yet sent and the one unanswered send.
+
+Each unit (one layer, or small layers packed together) owns at most two host
+buffers, whatever the number of steps or the length of an outage:
+
+- `pending`: the sum of step-gradients produced since the last send, with their
+  count (backward adds into it; a sync hands it over);
+- `flight`: the one send of this unit the gateway has not answered yet.  Its
+  bytes never change while it is unanswered, so a re-send after a lost ack has
+  the same sequence number and content, and the gateway's (client, seq)
+  de-duplication makes it count once.  A flight that missed its deadline is
+  *weakly synced*; it stays here and is re-sent when the link answers again.
+
+Merging a weak flight into `pending` would save one buffer but could count
+twice: a lost *ack* is indistinguishable from a lost push until the gateway
+answers.  So new gradients of a unit whose flight is unanswered wait in
+`pending` (their count grows, their memory does not) until it is answered.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Flight:
+    """One unanswered send of a unit."""
+
+    seq: int
+    buffer: torch.Tensor
+    count: int
+    base_version: int
+    first_sent: float
+    deadline: float
+    sends: int = 1
+    weak: bool = False  # missed a deadline at least once
+    outstanding: bool = True  # sent, deadline not passed yet
+    release: Any = None  # object with .done once the transport no longer reads `buffer`
+
+
+@dataclass
+class UnitState:
+    index: int
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    offsets: tuple[int, ...]
+    numel: int
+    dtype: torch.dtype
+    pending: torch.Tensor
+    pending_count: int = 0
+    pending_base: int = 0
+    flight: Flight | None = None
+    spare: torch.Tensor | None = None
+    # GPU path: a device-to-host copy in progress into `staging`, added into pending once done.
+    staging: torch.Tensor | None = None
+    staged_event: Any = None
+    staged: bool = False
+    produced: int = 0  # step-gradients ever added (for the count audit)
+
+    def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Per-layer tensors over a unit buffer (contiguous, so they encode without a copy)."""
+        return [
+            buffer[start : start + math.prod(shape)].view(shape)
+            for start, shape in zip(self.offsets, self.shapes)
+        ]
+
+
+class GradientCache:
+    """Pending sums and unanswered sends for every unit; bounded by two buffers per unit."""
+
+    def __init__(
+        self,
+        units: Sequence[Sequence[tuple[str, tuple[int, ...], torch.dtype]]],
+        pin_memory: bool = False,
+    ) -> None:
+        self.lock = threading.Lock()
+        self.pin_memory = pin_memory
+        self.units: list[UnitState] = []
+        for u, layers in enumerate(units):
+            dtypes = {dtype for _, _, dtype in layers}
+            if len(dtypes) != 1:
+                raise ValueError(
+                    f"unit {u} mixes dtypes {sorted(map(str, dtypes))}; plans keep one dtype per unit"
+                )
+            offsets, total = [], 0
+            for _, shape, _ in layers:
+                offsets.append(total)
+                total += math.prod(shape)
+            dtype = dtypes.pop()
+            self.units.append(
+                UnitState(
+                    index=u,
+                    names=tuple(n for n, _, _ in layers),
+                    shapes=tuple(tuple(s) for _, s, _ in layers),
+                    offsets=tuple(offsets),
+                    numel=total,
+                    dtype=dtype,
+                    pending=self._buffer(total, dtype),
+                )
+            )
+
+    def _buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(numel, dtype=dtype, pin_memory=self.pin_memory)
+
+    # ------------------------------------------------------------- training thread
+    def add(self, u: int, grads: Sequence[torch.Tensor | None], base_version: int) -> None:
+        """Add one step-gradient of unit `u` (None for a parameter unused this step: zero)."""
+        unit = self.units[u]
+        on_device = next((g for g in grads if g is not None and g.device.type != "cpu"), None)
+        with self.lock:
+            self._settle(unit)
+            if unit.pending_count == 0:
+                unit.pending_base = base_version
+            if on_device is not None:
+                self._stage(unit, grads, on_device.device)
+            else:
+                for view, grad in zip(unit.views(unit.pending), grads):
+                    if grad is not None:
+                        view.add_(grad.detach())
+            unit.pending_count += 1
+            unit.produced += 1
+
+    def _stage(self, unit: UnitState, grads: Sequence[torch.Tensor | None], device: torch.device) -> None:
+        # Asynchronous device-to-host copy into pinned memory; added into pending by the next
+        # reader (`_settle`), so backward never waits for the copy.
+        if unit.staging is None:
+            unit.staging = torch.zeros(unit.numel, dtype=unit.dtype, pin_memory=True)
+        for view, grad in zip(unit.views(unit.staging), grads):
+            if grad is None:
+                view.zero_()
+            else:
+                view.copy_(grad.detach(), non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        unit.staged_event, unit.staged = event, True
+
+    @staticmethod
+    def _settle(unit: UnitState) -> None:
+        if unit.staged:
+            unit.staged_event.synchronize()
+            unit.pending.add_(unit.staging)
+            unit.staged = False
+
+    # ------------------------------------------------------------------ I/O thread
+    def take(self, u: int, seq: int, now: float, timeout_s: float) -> Flight | None:
+        """Turn unit `u`'s pending sum into its flight, if it has one and no flight is unanswered."""
+        unit = self.units[u]
+        with self.lock:
+            self._settle(unit)
+            if unit.flight is not None or unit.pending_count == 0:
+                return None
+            fresh = unit.spare if unit.spare is not None else self._buffer(unit.numel, unit.dtype)
+            unit.spare = None
+            flight = Flight(
+                seq=seq,
+                buffer=unit.pending,
+                count=unit.pending_count,
+                base_version=unit.pending_base,
+                first_sent=now,
+                deadline=now + timeout_s,
+            )
+            unit.flight = flight
+            unit.pending = fresh
+            unit.pending_count = 0
+            return flight
+
+    def resolve(self, u: int) -> Flight | None:
+        """The gateway answered the flight of unit `u`: its buffer becomes the next spare."""
+        unit = self.units[u]
+        with self.lock:
+            flight, unit.flight = unit.flight, None
+            if flight is None:
+                return None
+            # Reuse the buffer only once the transport has let go of it (a zero-copy send may
+            # still be queued); otherwise drop it and let the next take() allocate.
+            if flight.release is None or getattr(flight.release, "done", True):
+                flight.buffer.zero_()
+                unit.spare = flight.buffer
+            return flight
+
+    # ------------------------------------------------------------------- accounting
+    def undelivered(self) -> int:
+        """Step-gradients (summed over units) not yet answered by the gateway."""
+        with self.lock:
+            return sum(u.pending_count + (u.flight.count if u.flight else 0) for u in self.units)
+
+    def host_bytes(self) -> int:
+        """Bytes of host memory the cache holds now (the bounded-memory guarantee)."""
+        with self.lock:
+            total = 0
+            for u in self.units:
+                for t in (u.pending, u.spare, u.staging, u.flight.buffer if u.flight else None):
+                    if t is not None:
+                        total += t.numel() * t.element_size()
+            return total
+
+    def bound_bytes(self) -> int:
+        """The most `host_bytes()` can ever be: pending + flight (+ staging on a GPU) per unit."""
+        per = 3 if self.pin_memory else 2
+        return per * sum(u.numel * u.dtype.itemsize for u in self.units)

@@ -1,0 +1,150 @@
+"""`elasticfed edge`: train a task on this device's data and sync with the gateway.
+
+Prints JSON status lines while training (with `--status-every-s`) and a JSON
+summary as the last line: steps, step-gradients produced and delivered per
+layer, what is still undelivered, link and sync counters.  SIGTERM or SIGINT
+ends training early; cached gradients are then delivered for up to `--drain-s`
+seconds before the agent exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from common.link import Faults
+from common.task import TaskError, load_task, shard
+from edge.agent import ElasticEdge
+from edge.config import EdgeConfig
+from edge.session import EdgeRefused, SessionOptions
+
+log = logging.getLogger("elasticfed.edge")
+
+EXIT_REFUSED = 4
+
+
+def session_options(config: EdgeConfig, client_id: str) -> SessionOptions:
+    return SessionOptions(
+        gateway=config.gateway,
+        client_id=client_id,
+        timeout_s=config.timeout_ms / 1000.0,
+        heartbeat_s=config.heartbeat_ms / 1000.0,
+        faults=Faults.parse(config.faults),
+        settings={"sync_every": config.sync_every, "timeout_ms": config.timeout_ms},
+    )
+
+
+def _emit(event: str, **fields: Any) -> None:
+    print(json.dumps({"event": event, **fields}, default=str), flush=True)
+
+
+def _totals(status: dict[str, Any]) -> dict[str, Any]:
+    metrics = status["metrics"]
+    out = {name: sum(rows.values()) for name, rows in metrics.items() if name.endswith("_total")}
+    latency = [row for row in metrics.get("edge_sync_latency_seconds", {}).values()]
+    if latency:
+        count = sum(r["count"] for r in latency)
+        out["sync_latency_mean_s"] = sum(r["mean"] * r["count"] for r in latency) / count if count else 0.0
+        out["sync_latency_max_s"] = max(r["max"] for r in latency)
+    return out
+
+
+def run(args: argparse.Namespace, config: EdgeConfig) -> int:
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    client_id = config.client_id or socket.gethostname()
+    if not config.security.insecure:
+        log.warning("CURVE is not built yet (issue #6): this agent's link is NOT encrypted or authenticated")
+    try:
+        task = load_task(config.task)
+    except TaskError as exc:
+        print(f"elasticfed edge: error: {exc}", file=sys.stderr)
+        return 2
+    torch.manual_seed(config.train.seed)
+    model = task.build_model()
+    data = task.train_set()
+    if config.train.shard:
+        index, parts = (int(v) for v in config.train.shard.split("/"))
+        data = shard(data, index, parts, config.train.partition, seed=config.train.seed)
+    loader = DataLoader(
+        data,
+        batch_size=config.train.batch_size or task.batch_size,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(config.train.seed + 17),
+    )
+    agent = ElasticEdge(
+        model,
+        session_options(config, client_id),
+        sync_every=config.sync_every,
+        pack_cap_bytes=config.pack_cap_kib * 1024,
+    )
+    optimizer = torch.optim.SGD(agent.parameters(), lr=config.train.lr or task.lr, momentum=task.momentum)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+
+    # Start from the gateway's model when it answers soon; train from our own seed otherwise.
+    deadline = time.monotonic() + max(2.0, 4 * config.timeout_ms / 1000.0)
+    while time.monotonic() < deadline and not stop.is_set() and not agent.adopt_newest():
+        time.sleep(0.01)
+
+    started = last_status = time.monotonic()
+    loss = torch.tensor(0.0)
+    try:
+        for _ in range(config.train.epochs):
+            for x, y in loader:
+                loss = task.loss(agent(x), y)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                if stop.is_set() or (config.train.max_steps and agent.steps >= config.train.max_steps):
+                    break
+                now = time.monotonic()
+                if config.status_every_s and now - last_status >= config.status_every_s:
+                    last_status = now
+                    _emit(
+                        "status",
+                        client=client_id,
+                        steps=agent.steps,
+                        loss=float(loss.detach()),
+                        version=agent.version,
+                        **_totals(agent.status()),
+                    )
+            else:
+                continue
+            break
+    except EdgeRefused as exc:
+        print(f"elasticfed edge: {exc}", file=sys.stderr)
+        agent.close()
+        return EXIT_REFUSED
+    trained = time.monotonic() - started
+    delivered_all = agent.close(drain_s=config.drain_s)
+    status = agent.status()
+    _emit(
+        "summary",
+        client=client_id,
+        steps=agent.steps,
+        seconds=round(trained, 3),
+        loss=float(loss.detach()),
+        delivered_all=delivered_all,
+        undelivered_steps=status["undelivered_steps"],
+        produced_steps=status["produced_steps"],
+        delivered_steps=status["metrics"]["edge_delivered_steps_total"],
+        dropped_stale_steps=status["metrics"]["edge_dropped_stale_steps_total"],
+        cache_bytes=status["cache_bytes"],
+        cache_bound_bytes=status["cache_bound_bytes"],
+        link_up=status.get("link_up"),
+        link_down=status.get("link_down"),
+        models_adopted=agent.models_adopted,
+        **_totals(status),
+    )
+    return 0 if delivered_all else 5

@@ -1,0 +1,602 @@
+"""The edge side of the Elastic Sync Protocol: one I/O thread that owns the DEALER socket.
+
+The training thread never touches the socket.  It adds gradients into the
+`GradientCache` and asks for units to be synced; this thread turns them into
+pushes, one unanswered push per unit, and keeps the protocol's promises:
+
+- a push is answered within `timeout_s` (strongly synced) or it is *weak*: it
+  stays in the cache and is re-sent, same sequence number and bytes, in one
+  batch as soon as the link answers again (any message from the gateway);
+- credit: no more pushes outstanding than the gateway granted, so the gateway's
+  queues stay bounded and nothing is dropped at a high-water mark;
+- Paranoid Pirate: heartbeats when idle; when nothing has come back for
+  `liveness` heartbeats, the socket is closed and a new one says hello again,
+  with backoff, forever (a restarted gateway is found without help);
+- announced model versions (in acks, heartbeats and the welcome) are fetched
+  and left for the training thread to adopt between steps.
+
+Faults, when given, are injected here in-process on both directions, which is
+how tests and the demo make a loopback link lossy, late, duplicating or down.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from common.link import Backoff, Faults, FaultyChannel
+from common.metrics import LATENCY_BUCKETS_S, STALENESS_BUCKETS, Metrics
+from edge.cache import Flight, GradientCache
+from protocol import (
+    DEFAULT_LIMITS,
+    Ack,
+    Dense,
+    Heartbeat,
+    Hello,
+    LayerGradient,
+    Limits,
+    Manifest,
+    Model,
+    ModelRequest,
+    ProtocolError,
+    Push,
+    Reason,
+    Reject,
+    Welcome,
+    apply_limits,
+    decode,
+    encode,
+)
+
+log = logging.getLogger("elasticfed.edge")
+
+
+@dataclass(frozen=True)
+class SessionOptions:
+    """How the edge talks to the gateway; validated here so a bad value fails at start."""
+
+    gateway: str
+    client_id: str
+    timeout_s: float = 0.5
+    heartbeat_s: float = 1.0
+    liveness: int = 5
+    reconnect_first_s: float = 0.2
+    reconnect_cap_s: float = 5.0
+    faults: Faults = field(default_factory=Faults)
+    limits: Limits = DEFAULT_LIMITS
+    settings: dict[str, object] = field(default_factory=dict)  # told to the gateway in hello
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0 or self.heartbeat_s <= 0:
+            raise ValueError("timeout_s and heartbeat_s must be positive")
+        if self.liveness < 1:
+            raise ValueError("liveness is a number of heartbeats, at least 1")
+        if not self.client_id:
+            raise ValueError("client_id must not be empty")
+
+
+class EdgeRefused(RuntimeError):
+    """The gateway refused this edge for good (e.g. its model does not match); the text says why."""
+
+
+class EdgeMetrics:
+    """What an edge records, per layer where it makes sense; see common/metrics.py."""
+
+    def __init__(self, client: str) -> None:
+        self.client = client
+        m = self.registry = Metrics()
+        self.strong = m.counter(
+            "edge_strong_syncs_total", "layer pushes answered within the deadline", ["layer"]
+        )
+        self.weak = m.counter("edge_weak_syncs_total", "layer pushes that missed their deadline", ["layer"])
+        self.late = m.counter(
+            "edge_late_deliveries_total", "weak layer pushes the gateway answered later", ["layer"]
+        )
+        self.retransmits = m.counter("edge_retransmissions_total", "layer pushes sent again", ["layer"])
+        self.sent_bytes = m.counter("edge_sent_bytes_total", "payload bytes pushed", ["layer"])
+        self.delivered = m.counter(
+            "edge_delivered_steps_total", "step-gradients the gateway applied", ["layer"]
+        )
+        self.dropped_stale = m.counter(
+            "edge_dropped_stale_steps_total", "step-gradients the gateway dropped as too stale", ["layer"]
+        )
+        self.rejected = m.counter("edge_rejected_total", "pushes refused by the gateway", ["reason"])
+        self.latency = m.histogram(
+            "edge_sync_latency_seconds", "first send to answer, per layer push", ["layer"], LATENCY_BUCKETS_S
+        )
+        self.staleness = m.histogram(
+            "edge_push_staleness",
+            "versions between a push's base model and the newest known",
+            ["layer"],
+            STALENESS_BUCKETS,
+        )
+        self.reconnects = m.counter("edge_reconnects_total", "sockets closed and opened again after silence")
+        self.models = m.counter("edge_models_received_total", "model versions received")
+        self.pushes = m.counter("edge_pushes_total", "push messages sent (first sends and re-sends)")
+
+
+class EdgeSession:
+    """Owns the socket and the protocol state; its methods are called from the training thread."""
+
+    def __init__(
+        self,
+        options: SessionOptions,
+        manifest: Manifest,
+        cache: GradientCache,
+        model_version: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.options = options
+        self.manifest = manifest
+        self.cache = cache
+        self.clock = clock
+        self.metrics = EdgeMetrics(options.client_id)
+        self.ctx = zmq.Context.instance()
+
+        # Shared with the training thread (guarded by _lock).
+        self._lock = threading.Lock()
+        self._wanted: set[int] = set()
+        self._model: Model | None = None  # newest received model not yet taken by training
+        self._error: BaseException | None = None
+        self.have_version = model_version  # newest model this edge has (adopted or waiting)
+
+        # Owned by the I/O thread.
+        self.seq = 1
+        self.credit = 0
+        self.window = 1024
+        self.welcomed = False
+        self.gateway_id = ""
+        self.announced = model_version
+        self._model_asked_at = -1.0
+        self._flights: dict[int, int] = {}  # seq -> unit
+        self._sock: zmq.Socket | None = None
+        self._answered = False
+        self._last_recv = 0.0
+        self._last_send = 0.0
+        self._connected_at = 0.0
+        self._next_connect = 0.0
+        self._backoff = Backoff(options.reconnect_first_s, options.reconnect_cap_s)
+        self._nonce = itertools.count(1)
+        self._last_probe = 0.0
+        self._probe_s = min(options.heartbeat_s, options.timeout_s / 2)
+        start = clock()
+        self.up: FaultyChannel[list[Any]] | None = None
+        self.down: FaultyChannel[list[Any]] | None = None
+        if options.faults.active:
+            self.up = FaultyChannel(options.faults, 0, start, lambda frames: [bytes(_buf(f)) for f in frames])
+            self.down = FaultyChannel(options.faults, 1, start, lambda frames: frames)
+
+        self._stop = threading.Event()
+        self._wake_rx = self.ctx.socket(zmq.PAIR)
+        address = f"inproc://elasticfed-edge-wake-{id(self)}"
+        self._wake_rx.bind(address)
+        self._wake_tx = self.ctx.socket(zmq.PAIR)
+        self._wake_tx.connect(address)
+        self._thread = threading.Thread(target=self._run, name=f"edge-io-{options.client_id}", daemon=True)
+
+    # ============================================================ training thread
+    def start(self) -> None:
+        self._thread.start()
+
+    def request_sync(self, units: Sequence[int]) -> None:
+        """Push these units' pending sums as soon as the protocol allows."""
+        self.raise_if_failed()
+        with self._lock:
+            self._wanted.update(units)
+            self._wake_tx.send(b"", zmq.NOBLOCK)
+
+    def take_model(self) -> Model | None:
+        """The newest model received since the last call, if any."""
+        with self._lock:
+            model, self._model = self._model, None
+            return model
+
+    def raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def close(self, drain_s: float = 0.0) -> bool:
+        """Stop, first waiting up to `drain_s` for every cached gradient to be answered; True if all were."""
+        deadline = self.clock() + drain_s
+        with self._lock:
+            self._wanted.update(range(len(self.cache.units)))
+            self._wake_tx.send(b"", zmq.NOBLOCK)
+        while self.cache.undelivered() and self.clock() < deadline and self._error is None:
+            time.sleep(0.01)
+        delivered = self.cache.undelivered() == 0
+        self._stop.set()
+        with self._lock:
+            self._wake_tx.send(b"", zmq.NOBLOCK)
+        self._thread.join(timeout=5.0)
+        self._wake_tx.close(linger=0)
+        return delivered
+
+    # ================================================================= I/O thread
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_rx, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                now = self.clock()
+                if self._sock is None and now >= self._next_connect:
+                    self._connect(poller, now)
+                wait = self._next_wakeup(now) - now
+                events = dict(poller.poll(max(0, int(wait * 1000) + 1)))
+                now = self.clock()
+                if events.get(self._wake_rx):
+                    while self._wake_rx.poll(0):
+                        self._wake_rx.recv()
+                if self._sock is not None and events.get(self._sock):
+                    self._receive(now)
+                self._tick(self.clock())
+        except EdgeRefused as exc:
+            self._error = exc
+            log.error("%s", exc)
+        except BaseException as exc:  # the training thread must learn that syncing stopped
+            self._error = RuntimeError(f"edge I/O thread failed: {type(exc).__name__}: {exc}")
+            log.exception("edge I/O thread failed")
+        finally:
+            if self._sock is not None:
+                self._sock.close(linger=0)
+            self._wake_rx.close(linger=0)
+
+    def _next_wakeup(self, now: float) -> float:
+        times = [now + self.options.heartbeat_s]
+        if self._has_weak():
+            times.append(self._last_probe + self._probe_s)
+        if self._sock is None:
+            times.append(self._next_connect)
+        for u in self._flights.values():
+            flight = self.cache.units[u].flight
+            if flight is not None and flight.outstanding:
+                times.append(flight.deadline)
+        for channel in (self.up, self.down):
+            if channel is not None:
+                times.append(channel.next_due())
+        return min(times)
+
+    # ---------------------------------------------------------------- connection
+    def _connect(self, poller: zmq.Poller, now: float) -> None:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a peer that is not there
+        sock.setsockopt(zmq.ROUTING_ID, f"{self.options.client_id}/{os.urandom(4).hex()}".encode())
+        apply_limits(sock, self.options.limits)
+        sock.connect(self.options.gateway)
+        self._sock = sock
+        poller.register(sock, zmq.POLLIN)
+        self._poller = poller
+        self._connected_at = self._last_recv = now
+        self.welcomed = False
+        self._say_hello(now)
+
+    def _reconnect(self, now: float) -> None:
+        assert self._sock is not None
+        self._poller.unregister(self._sock)
+        self._sock.close(linger=0)
+        self._sock = None
+        self.welcomed = False
+        self.metrics.reconnects.inc()
+        self._next_connect = now + self._backoff.next_delay()
+        for u in self._flights.values():  # whatever was outstanding is lost with the socket
+            flight = self.cache.units[u].flight
+            if flight is not None and flight.outstanding:
+                self._mark_weak(u, flight)
+        log.info("no answer from %s for %.1f s: reconnecting", self.options.gateway, now - self._last_recv)
+
+    def _say_hello(self, now: float) -> None:
+        hello = Hello(
+            client_id=self.options.client_id,
+            manifest=self.manifest,
+            model_version=self.have_version,
+            next_seq=self.seq,
+            settings=dict(self.options.settings),
+        )
+        self._send(encode(hello), now)
+
+    # ------------------------------------------------------------------- sending
+    def _send(self, frames: list[Any], now: float, track: bool = False) -> Any:
+        """Send (through the fault channel if any); returns a tracker, None, or False if refused."""
+        self._last_send = now
+        if self.up is not None:
+            self.up.offer(frames, now)
+            self._flush_up(now)
+            return None
+        return self._raw_send(frames, track)
+
+    def _raw_send(self, frames: list[Any], track: bool) -> Any:
+        if self._sock is None:
+            return False
+        try:
+            tracker = self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False, track=track)
+        except zmq.Again:
+            return False  # no connected peer or at the high-water mark: treated as lost
+        return tracker if track else None
+
+    def _flush_up(self, now: float) -> None:
+        if self.up is not None:
+            for frames in self.up.due(now):
+                self._raw_send(frames, False)
+
+    def _push(self, u: int, flight: Flight, now: float) -> bool:
+        unit = self.cache.units[u]
+        layers = tuple(
+            LayerGradient(name, Dense(view), flight.count)
+            for name, view in zip(unit.names, unit.views(flight.buffer))
+        )
+        msg = Push(
+            seq=flight.seq,
+            base_version=flight.base_version,
+            layers=layers,
+            resolved_below=min(self._flights, default=self.seq),
+        )
+        result = self._send(encode(msg), now, track=True)
+        self.metrics.pushes.inc()
+        nbytes = unit.numel * unit.dtype.itemsize
+        for name, shape in zip(unit.names, unit.shapes):
+            self.metrics.sent_bytes.inc(name, by=nbytes * _share(shape, unit.numel))
+            self.metrics.staleness.observe(name, value=max(0, self.announced - flight.base_version))
+        if result is False:
+            return False
+        if result is not None:
+            flight.release = result
+        return True
+
+    def _send_wanted(self, now: float) -> None:
+        if not self.welcomed:
+            return
+        with self._lock:
+            wanted = sorted(self._wanted)
+        for u in wanted:
+            if self._outstanding() >= self.credit:
+                return
+            unit = self.cache.units[u]
+            if unit.flight is not None:
+                continue  # waits for the unanswered push of this unit
+            floor = min(self._flights, default=self.seq)
+            if self.seq - floor >= self.window:
+                return
+            flight = self.cache.take(u, self.seq, now, self.options.timeout_s)
+            with self._lock:
+                self._wanted.discard(u)
+            if flight is None:
+                continue
+            self._flights[flight.seq] = u
+            self.seq += 1
+            if not self._push(u, flight, now):
+                self._mark_weak(u, flight)
+
+    def _outstanding(self) -> int:
+        n = 0
+        for u in self._flights.values():
+            flight = self.cache.units[u].flight
+            if flight is not None and flight.outstanding:
+                n += 1
+        return n
+
+    def _resend_weak(self, now: float) -> None:
+        """The link answers again: every weak push goes again, in one batch, as far as credit allows."""
+        for seq in sorted(self._flights):
+            if self._outstanding() >= self.credit:
+                return
+            u = self._flights[seq]
+            flight = self.cache.units[u].flight
+            if flight is None or flight.outstanding:
+                continue
+            flight.sends += 1
+            flight.outstanding = True
+            flight.deadline = now + self.options.timeout_s
+            for name in self.cache.units[u].names:
+                self.metrics.retransmits.inc(name)
+            if not self._push(u, flight, now):
+                flight.outstanding = False
+
+    def _has_weak(self) -> bool:
+        for u in self._flights.values():
+            flight = self.cache.units[u].flight
+            if flight is not None and not flight.outstanding:
+                return True
+        return False
+
+    def _mark_weak(self, u: int, flight: Flight) -> None:
+        flight.outstanding = False
+        if not flight.weak:
+            flight.weak = True
+            for name in self.cache.units[u].names:
+                self.metrics.weak.inc(name)
+
+    # ----------------------------------------------------------------- receiving
+    def _receive(self, now: float) -> None:
+        assert self._sock is not None
+        while True:
+            try:
+                frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            if self.down is not None:
+                self.down.offer(frames, now)
+            else:
+                self._handle(frames, now)
+
+    def _handle(self, frames: list[Any], now: float) -> None:
+        try:
+            msg = decode(frames, limits=self.options.limits, manifest=self.manifest)
+        except ProtocolError as exc:
+            log.warning("dropped a message from the gateway: %s", exc)
+            return
+        self._last_recv = now
+        self._answered = True
+        self._backoff.reset()
+        if isinstance(msg, Ack):
+            self._on_ack(msg, now)
+        elif isinstance(msg, Heartbeat):
+            self._announce(msg.model_version)
+        elif isinstance(msg, Welcome):
+            self._on_welcome(msg, now)
+        elif isinstance(msg, Model):
+            self._on_model(msg)
+        elif isinstance(msg, Reject):
+            self._on_reject(msg, now)
+        else:
+            log.warning("unexpected %s from the gateway, ignored", msg.TYPE)
+
+    def _on_welcome(self, msg: Welcome, now: float) -> None:
+        if msg.manifest_digest != self.manifest.digest:
+            raise EdgeRefused("the gateway welcomed a different model (manifest digest differs)")
+        restarted = bool(self.gateway_id) and msg.gateway_id != self.gateway_id
+        self.gateway_id = msg.gateway_id
+        self.welcomed = True
+        self.credit = _int_setting(msg.settings, "credit", 8)
+        self.window = _int_setting(msg.settings, "window", 1024)
+        if restarted:
+            log.info("gateway %s is a new instance: re-sending every unanswered push", msg.gateway_id)
+        for u in self._flights.values():  # a new connection: nothing is outstanding any more
+            flight = self.cache.units[u].flight
+            if flight is not None and flight.outstanding:
+                self._mark_weak(u, flight)
+        if msg.model_version != self.have_version:
+            # A restarted gateway may be behind us: its model is the one that counts.
+            self.announced = msg.model_version
+            self._ask_model(now, force=True)
+
+    def _on_ack(self, msg: Ack, now: float) -> None:
+        self.credit = msg.credit
+        self._announce(msg.model_version)
+        u = self._flights.pop(msg.seq, None)
+        if u is None:
+            return  # an answer to a push already answered (a duplicate or late ack)
+        code = msg.code
+        if not msg.accepted and code in (Reason.WINDOW.value, Reason.NOT_WELCOMED.value):
+            self._flights[msg.seq] = u  # not judged: keep it and send again later
+            flight = self.cache.units[u].flight
+            if flight is not None:
+                flight.outstanding = False
+            if code == Reason.NOT_WELCOMED.value:
+                self.welcomed = False
+                self._say_hello(now)
+            return
+        flight = self.cache.resolve(u)
+        if flight is None:
+            return
+        names = self.cache.units[u].names
+        for name in names:
+            self.metrics.latency.observe(name, value=now - flight.first_sent)
+            if msg.accepted:
+                self.metrics.delivered.inc(name, by=flight.count)
+                (self.metrics.late if flight.weak else self.metrics.strong).inc(name)
+            elif code == Reason.STALE.value:
+                self.metrics.dropped_stale.inc(name, by=flight.count)
+        if not msg.accepted:
+            self.metrics.rejected.inc(code or "unknown")
+            if code != Reason.STALE.value:
+                log.error("gateway refused push %d (%s): %s", msg.seq, code, msg.detail)
+
+    def _on_reject(self, msg: Reject, now: float) -> None:
+        if msg.code == Reason.MANIFEST.value:
+            raise EdgeRefused(f"the gateway refused this edge's model: {msg.detail}")
+        if msg.code == Reason.NOT_WELCOMED.value:
+            self.welcomed = False
+            self._say_hello(now)
+            return
+        self.metrics.rejected.inc(msg.code)
+        log.error("gateway rejected a message (%s): %s", msg.code, msg.detail)
+
+    # -------------------------------------------------------------------- models
+    def _announce(self, version: int) -> None:
+        if version > self.announced:
+            self.announced = version
+
+    def _ask_model(self, now: float, force: bool = False) -> None:
+        want = force or self.announced > self.have_version
+        if not want or not self.welcomed:
+            return
+        if self._model_asked_at >= 0 and now - self._model_asked_at < self.options.timeout_s and not force:
+            return
+        self._model_asked_at = now
+        have = 0 if force else self.have_version
+        self._send(encode(ModelRequest(have_version=have)), now)
+
+    def _on_model(self, msg: Model) -> None:
+        self._model_asked_at = -1.0
+        if not msg.full:
+            log.warning("partial model %d ignored: this edge asks for whole models", msg.version)
+            return
+        if msg.version == self.have_version and self._model is None:
+            return
+        self.metrics.models.inc()
+        with self._lock:
+            self._model = msg
+            self.have_version = msg.version
+        self.announced = max(self.announced, msg.version)
+
+    # ---------------------------------------------------------------------- timers
+    def _tick(self, now: float) -> None:
+        if self.down is not None:
+            for frames in self.down.due(now):
+                self._handle(frames, now)
+        self._flush_up(now)
+        if self._sock is None:
+            return
+        for u in list(self._flights.values()):
+            flight = self.cache.units[u].flight
+            if flight is not None and flight.outstanding and now >= flight.deadline:
+                self._mark_weak(u, flight)
+        if self._answered:
+            self._answered = False
+            if self.welcomed:
+                self._resend_weak(now)
+        self._send_wanted(now)
+        if self.welcomed:
+            self._ask_model(now)
+        if now - self._last_recv > self.options.heartbeat_s * self.options.liveness:
+            self._reconnect(now)
+        elif self.welcomed and self._has_weak() and now - self._last_probe >= self._probe_s:
+            # Weak pushes wait for the link to answer: ask it, more often than an idle heartbeat.
+            self._last_probe = now
+            self._send(encode(Heartbeat(nonce=next(self._nonce))), now)
+        elif now - self._last_send >= self.options.heartbeat_s:
+            if self.welcomed:
+                self._send(encode(Heartbeat(nonce=next(self._nonce))), now)
+            else:
+                self._say_hello(now)
+
+    # ---------------------------------------------------------------------- state
+    def status(self) -> dict[str, object]:
+        """Counters for summaries and tests (JSON-able)."""
+        out: dict[str, object] = {
+            "client_id": self.options.client_id,
+            "welcomed": self.welcomed,
+            "model_version": self.have_version,
+            "undelivered_steps": self.cache.undelivered(),
+            "cache_bytes": self.cache.host_bytes(),
+            "cache_bound_bytes": self.cache.bound_bytes(),
+            "metrics": self.metrics.registry.snapshot(),
+        }
+        for name, channel in (("link_up", self.up), ("link_down", self.down)):
+            if channel is not None:
+                out[name] = dict(channel.stats.__dict__)
+        return out
+
+
+def _buf(frame: Any) -> Any:
+    return frame.buffer if isinstance(frame, zmq.Frame) else frame
+
+
+def _share(shape: tuple[int, ...], total: int) -> float:
+    n = 1
+    for d in shape:
+        n *= d
+    return n / total if total else 0.0
+
+
+def _int_setting(settings: dict[str, object], key: str, default: int) -> int:
+    value = settings.get(key, default)
+    return value if type(value) is int and value > 0 else default
