@@ -15,6 +15,7 @@ pushes were weak is therefore not under-weighted, only late.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -127,3 +128,25 @@ class DeadlineQuorum:
 
     def time_left(self, round_: OpenRound, now: float) -> float | None:
         return None if round_.opened_at is None else round_.opened_at + self.deadline_s - now
+
+
+@dataclass(frozen=True)
+class CosineDecay:
+    """Learning-rate factor for round r of `rounds`: half a cosine from 1 down to `floor`, then flat.
+
+    A fleet's last rounds apply averages of whatever arrived late; a decayed step
+    keeps them from shaking a model that has converged.
+    """
+
+    rounds: int
+    floor: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1 or not 0.0 <= self.floor <= 1.0:
+            raise ValueError(
+                f"cosine decay needs rounds >= 1 and floor in [0, 1], got {self.rounds}, {self.floor}"
+            )
+
+    def __call__(self, round_number: int) -> float:
+        progress = min(1.0, max(0, round_number - 1) / self.rounds)
+        return self.floor + (1.0 - self.floor) * 0.5 * (1.0 + math.cos(math.pi * progress))

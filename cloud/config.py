@@ -25,6 +25,9 @@ class GatewaySettings:
     )
     lr: float = setting(0.0, "learning rate of the gateway's SGD on the averages (0: the task's)", min=0.0)
     momentum: float = setting(0.9, "momentum of the gateway's SGD", min=0.0, max=0.999)
+    lr_decay_rounds: int = setting(
+        0, "decay the learning rate along a cosine over this many rounds, to 5% (0: constant)", min=0
+    )
     credit: int = setting(8, "pushes one edge may have outstanding (flow control)", min=1, max=4096)
     window: int = setting(1024, "recent push verdicts kept per edge for de-duplication", min=16)
     max_rounds: int = setting(0, "stop after this many rounds (0: serve until stopped)", min=0)
@@ -93,7 +96,7 @@ class CloudConfig:
 @dataclass(frozen=True)
 class DemoConfig:
     edges: int = setting(4, "edge agents to start, each its own process", min=1, max=32)
-    rounds: int = setting(300, "rounds the gateway closes before the edges are told to stop", min=1)
+    rounds: int = setting(400, "rounds the gateway closes before the edges are told to stop", min=1)
     time_limit_s: float = setting(150.0, "stop the edges after this long even if rounds remain", min=1.0)
     loss: float = setting(0.3, "share of messages lost, each direction", min=0.0, max=0.99)
     burst: float = setting(3.0, "mean length of a loss burst in messages (1: independent losses)", min=1.0)

@@ -187,6 +187,7 @@ def run(args: argparse.Namespace, config: DemoConfig, out: TextIO = sys.stdout) 
             round_deadline_s=config.round_deadline_s,
             quorum=min(config.quorum, config.edges),
             max_staleness=config.max_staleness,
+            lr_decay_rounds=config.rounds,
             seed=config.seed,
         ),
     )

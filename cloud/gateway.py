@@ -144,6 +144,7 @@ class Gateway:
         on_round: Callable[[RoundSummary], None] | None = None,
         version: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        lr_factor: Callable[[int], float] | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -152,6 +153,8 @@ class Gateway:
         self.rounds = rounds or DeadlineQuorum()
         self.on_round = on_round
         self.clock = clock
+        self.lr_factor = lr_factor  # round number -> multiplier of the optimizer's learning rate
+        self._base_lr = [group["lr"] for group in optimizer.param_groups]
         self.gateway_id = self.options.gateway_id or f"gw-{os.urandom(6).hex()}"
         named = trainable_parameters(model)
         self.manifest = Manifest.from_parameters(model.named_parameters())
@@ -370,6 +373,10 @@ class Gateway:
                 updated += 1
             acc.reset()
         if updated:
+            if self.lr_factor is not None:
+                factor = self.lr_factor(rnd.number)
+                for group, base in zip(self.optimizer.param_groups, self._base_lr):
+                    group["lr"] = base * factor
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.version += 1

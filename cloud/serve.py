@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from cloud.aggregation import DeadlineQuorum, SuccessWeighted
+from cloud.aggregation import CosineDecay, DeadlineQuorum, SuccessWeighted
 from cloud.config import CloudConfig
 from cloud.gateway import Gateway, GatewayOptions, RoundSummary
 from common.task import Task, TaskError, load_task
@@ -47,6 +47,7 @@ def build_gateway(
         weighting=SuccessWeighted(max_staleness=g.max_staleness, discount=g.staleness_discount),
         rounds=DeadlineQuorum(deadline_s=g.round_deadline_s, quorum=g.quorum),
         on_round=on_round,
+        lr_factor=CosineDecay(g.lr_decay_rounds) if g.lr_decay_rounds else None,
     )
 
 

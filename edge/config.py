@@ -47,6 +47,7 @@ class EdgeSecurity:
 class EdgeTrain:
     epochs: int = setting(20, "passes over this edge's data", min=1)
     max_steps: int = setting(0, "stop after this many steps (0: no limit)", min=0)
+    duration_s: float = setting(0.0, "stop after training this many seconds (0: no limit)", min=0.0)
     batch_size: int = setting(0, "examples per step (0: the task's default)", min=0)
     lr: float = setting(0.0, "local SGD learning rate (0: the task's default)", min=0.0)
     seed: int = setting(0, "seed for model initialisation and shuffling", min=0)

@@ -59,6 +59,10 @@ def _totals(status: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _by_layer(rows: dict[str, Any]) -> dict[str, Any]:
+    return {key.partition("=")[2]: value for key, value in rows.items()}
+
+
 def run(args: argparse.Namespace, config: EdgeConfig) -> int:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     client_id = config.client_id or socket.gethostname()
@@ -106,18 +110,26 @@ def run(args: argparse.Namespace, config: EdgeConfig) -> int:
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
-                if stop.is_set() or (config.train.max_steps and agent.steps >= config.train.max_steps):
-                    break
                 now = time.monotonic()
+                if (
+                    stop.is_set()
+                    or (config.train.max_steps and agent.steps >= config.train.max_steps)
+                    or (config.train.duration_s and now - started >= config.train.duration_s)
+                ):
+                    break
                 if config.status_every_s and now - last_status >= config.status_every_s:
                     last_status = now
+                    status = agent.status()
                     _emit(
                         "status",
                         client=client_id,
+                        t=round(now - started, 3),
                         steps=agent.steps,
                         loss=float(loss.detach()),
                         version=agent.version,
-                        **_totals(agent.status()),
+                        undelivered_steps=status["undelivered_steps"],
+                        cache_bytes=status["cache_bytes"],
+                        **_totals(status),
                     )
             else:
                 continue
@@ -138,8 +150,8 @@ def run(args: argparse.Namespace, config: EdgeConfig) -> int:
         delivered_all=delivered_all,
         undelivered_steps=status["undelivered_steps"],
         produced_steps=status["produced_steps"],
-        delivered_steps=status["metrics"]["edge_delivered_steps_total"],
-        dropped_stale_steps=status["metrics"]["edge_dropped_stale_steps_total"],
+        delivered_steps=_by_layer(status["metrics"]["edge_delivered_steps_total"]),
+        dropped_stale_steps=_by_layer(status["metrics"]["edge_dropped_stale_steps_total"]),
         cache_bytes=status["cache_bytes"],
         cache_bound_bytes=status["cache_bound_bytes"],
         link_up=status.get("link_up"),

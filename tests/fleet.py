@@ -1,0 +1,171 @@
+"""Test helpers for real fleets: edge and gateway processes (the CLI users run), a gateway in a thread.
+
+Processes print JSON events on stdout (`status` lines, a `summary` last line);
+`Proc` collects them so that tests wait on what the process says, with
+deadlines, never on sleeps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cloud.config import CloudConfig, GatewaySettings
+from cloud.gateway import Gateway
+from cloud.serve import build_gateway
+from common.task import load_task
+
+REPO = Path(__file__).resolve().parents[1]
+Event = dict[str, Any]
+
+
+def process_env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Proc:
+    """A child process whose stdout JSON events are collected as they come."""
+
+    def __init__(self, argv: list[str], name: str) -> None:
+        self.name = name
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=process_env()
+        )
+        self.events: list[Event] = []
+        self.stderr: list[str] = []
+        self._changed = threading.Condition()
+        self._threads = [
+            threading.Thread(target=self._read_stdout, daemon=True),
+            threading.Thread(target=self._read_stderr, daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _read_stdout(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            with self._changed:
+                self.events.append(event)
+                self._changed.notify_all()
+
+    def _read_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.stderr.append(line)
+
+    def wait_for(self, predicate: Callable[[Event], bool], timeout: float, what: str) -> Event:
+        """The first event (past or future) that satisfies `predicate`."""
+        deadline = time.monotonic() + timeout
+        seen = 0
+        with self._changed:
+            while True:
+                for event in self.events[seen:]:
+                    if predicate(event):
+                        return event
+                seen = len(self.events)
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.proc.poll() is not None and seen == len(self.events)):
+                    raise AssertionError(
+                        f"{self.name}: no event with {what} within {timeout} s{self._tail()}"
+                    )
+                self._changed.wait(min(left, 0.1))
+
+    def statuses(self) -> list[Event]:
+        with self._changed:
+            return [e for e in self.events if e.get("event") == "status"]
+
+    def summary(self, timeout: float) -> Event:
+        """Wait for the process to end cleanly and return its last `summary` event."""
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"{self.name} did not finish within {timeout} s{self._tail()}") from None
+        for t in self._threads:
+            t.join(timeout=5)
+        summaries = [e for e in self.events if e.get("event") == "summary"]
+        assert code == 0 and summaries, f"{self.name} exited {code}{self._tail()}"
+        return summaries[-1]
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+    def _tail(self) -> str:
+        return "\n--- stderr ---\n" + "".join(self.stderr[-40:])
+
+
+def edge(endpoint: str, client_id: str, *flags: str) -> Proc:
+    """`python -m edge` on the digits task, insecure (CURVE is issue 6), quiet."""
+    argv = [
+        sys.executable, "-m", "edge", "--gateway", endpoint, "--client-id", client_id,
+        "--insecure", "--log-level", "warning", *flags,
+    ]  # fmt: skip
+    return Proc(argv, client_id)
+
+
+def gateway_process(port: int, *flags: str) -> Proc:
+    argv = [
+        sys.executable, "-m", "common.cli", "cloud", "serve", "--mode", "standalone",
+        "--gateway-bind", f"tcp://127.0.0.1:{port}", "--insecure", "--log-level", "warning", *flags,
+    ]  # fmt: skip
+    return Proc(argv, f"gateway:{port}")
+
+
+@contextmanager
+def gateway_thread(**settings: Any) -> Iterator[Gateway]:
+    """The digits gateway (as `cloud serve` builds it) serving from a thread of this process."""
+    config = replace(
+        CloudConfig(),
+        mode="standalone",
+        gateway=GatewaySettings(bind="tcp://127.0.0.1:0", **settings),
+    )
+    gateway = build_gateway(config, load_task(config.task))
+    stop = threading.Event()
+    thread = threading.Thread(target=gateway.serve, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        # serve() binds in its own thread; wait until it has.
+        gateway.wait_bound(10)
+        yield gateway
+    finally:
+        stop.set()
+        thread.join(10)
+
+
+def applied_by_layer(gateway_status: dict[str, Any], client: str, family: str) -> dict[str, float]:
+    rows = gateway_status["metrics"][family]
+    prefix = f"client={client},layer="
+    return {key[len(prefix) :]: value for key, value in rows.items() if key.startswith(prefix)}
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)

@@ -1,0 +1,66 @@
+"""The edge cache: counts add up, one unanswered send per unit, memory stays at two buffers per unit."""
+
+from __future__ import annotations
+
+import torch
+
+from edge.cache import GradientCache
+
+UNITS = [[("b", (4,), torch.float32), ("w", (4, 3), torch.float32)], [("v", (5,), torch.float32)]]
+MODEL_BYTES = (4 + 12 + 5) * 4
+
+
+def test_pending_sums_and_counts_and_views_match_the_layers() -> None:
+    cache = GradientCache(UNITS)
+    cache.add(0, [torch.ones(4), torch.full((4, 3), 2.0)], base_version=3)
+    cache.add(0, [None, torch.full((4, 3), 1.0)], base_version=4)  # b unused this step: zero
+    unit = cache.units[0]
+    b, w = unit.views(unit.pending)
+    assert torch.equal(b, torch.ones(4)) and torch.equal(w, torch.full((4, 3), 3.0))
+    assert unit.pending_count == 2 and unit.pending_base == 3  # the oldest base counts
+    flight = cache.take(0, seq=1, now=0.0, timeout_s=0.5)
+    assert flight is not None and flight.count == 2 and flight.base_version == 3 and flight.deadline == 0.5
+    assert unit.pending_count == 0 and torch.count_nonzero(unit.pending) == 0
+
+
+def test_one_unanswered_send_per_unit_and_bounded_memory_through_an_outage() -> None:
+    cache = GradientCache(UNITS)
+    cache.add(1, [torch.ones(5)], 0)
+    flight = cache.take(1, seq=1, now=0.0, timeout_s=0.1)
+    assert flight is not None
+    for step in range(1000):  # the link is down: nothing is ever answered
+        cache.add(0, [torch.ones(4), torch.ones(4, 3)], step)
+        cache.add(1, [torch.ones(5)], step)
+        assert cache.take(1, seq=2 + step, now=1.0, timeout_s=0.1) is None  # waits for the flight
+        assert cache.host_bytes() <= cache.bound_bytes() == 2 * MODEL_BYTES
+    assert cache.undelivered() == 1 + 1000 + 1000
+    assert cache.units[1].flight is flight and torch.equal(flight.buffer, torch.ones(5))  # unchanged bytes
+    assert cache.resolve(1) is flight
+    again = cache.take(1, seq=5000, now=2.0, timeout_s=0.1)
+    assert again is not None and again.count == 1000 and torch.equal(again.buffer, torch.full((5,), 1000.0))
+
+
+def test_a_buffer_still_held_by_the_transport_is_not_reused() -> None:
+    class Pending:
+        done = False
+
+    cache = GradientCache(UNITS)
+    cache.add(1, [torch.ones(5)], 0)
+    flight = cache.take(1, seq=1, now=0.0, timeout_s=0.1)
+    assert flight is not None
+    flight.release = Pending()
+    cache.resolve(1)
+    assert cache.units[1].spare is None  # dropped, not zeroed under the sender's feet
+    assert torch.equal(flight.buffer, torch.ones(5))
+    cache.add(1, [torch.ones(5)], 0)
+    second = cache.take(1, seq=2, now=0.0, timeout_s=0.1)
+    assert second is not None and second.buffer.data_ptr() != flight.buffer.data_ptr()
+
+
+def test_units_must_keep_one_dtype() -> None:
+    try:
+        GradientCache([[("a", (2,), torch.float32), ("b", (2,), torch.float16)]])
+    except ValueError as exc:
+        assert "mixes dtypes" in str(exc)
+    else:
+        raise AssertionError("a unit of two dtypes was accepted")

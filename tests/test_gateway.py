@@ -1,0 +1,244 @@
+"""The gateway against a hand-driven DEALER socket: verdicts, de-duplication, weighting, rounds, models."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+import zmq
+from torch import nn
+
+from cloud.aggregation import DeadlineQuorum, LayerAccumulator, OpenRound, SuccessWeighted
+from cloud.gateway import Gateway, GatewayOptions
+from protocol import (
+    Ack,
+    Dense,
+    Heartbeat,
+    Hello,
+    LayerGradient,
+    Manifest,
+    Message,
+    Model,
+    ModelRequest,
+    Push,
+    Reason,
+    Reject,
+    Welcome,
+    decode,
+    encode,
+)
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+
+
+class Peer:
+    """One edge, spoken by hand; the gateway is pumped from the same thread, so order is exact."""
+
+    def __init__(self, gateway: Gateway, name: str) -> None:
+        self.gateway = gateway
+        self.name = name
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(gateway.bound_endpoint)
+
+    def send(self, msg: Message) -> None:
+        self.sock.send_multipart(encode(msg))
+
+    def send_raw(self, frames: list[bytes]) -> None:
+        self.sock.send_multipart(frames)
+
+    def recv(self, timeout: float = 5.0) -> Message:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.gateway.poll_once(0.005)
+            if self.sock.poll(5):
+                return decode(self.sock.recv_multipart())
+        raise AssertionError(f"{self.name}: no answer from the gateway within {timeout} s")
+
+    def hello(self, manifest: Manifest) -> Message:
+        self.send(Hello(client_id=self.name, manifest=manifest, model_version=0, next_seq=1))
+        return self.recv()
+
+    def push(self, seq: int, grads: dict[str, torch.Tensor], count: int = 1, base: int = 0) -> Ack:
+        layers = tuple(LayerGradient(n, Dense(g), count) for n, g in grads.items())
+        self.send(Push(seq=seq, base_version=base, layers=layers))
+        answer = self.recv()
+        assert isinstance(answer, Ack), answer
+        return answer
+
+
+@pytest.fixture
+def gateway() -> Iterator[Gateway]:
+    model = make_model()
+    gw = Gateway(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.5),
+        GatewayOptions(bind="tcp://127.0.0.1:0", credit=5, window=64),
+        weighting=SuccessWeighted(max_staleness=1, discount=0.5),
+        rounds=DeadlineQuorum(deadline_s=60.0, quorum=2),
+    )
+    gw.bind()
+    yield gw
+    gw.close()
+
+
+def grads_for(gw: Gateway, value: float) -> dict[str, torch.Tensor]:
+    return {n: torch.full_like(p, value) for n, p in zip(gw.names, gw.params)}
+
+
+def test_hello_with_a_different_model_is_refused_naming_the_layer(gateway: Gateway) -> None:
+    other = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 5))
+    answer = Peer(gateway, "odd").hello(Manifest.from_parameters(other.named_parameters()))
+    assert isinstance(answer, Reject) and answer.code == Reason.MANIFEST.value
+    assert "entry 0: ours is 2.bias [2] float32, theirs is 2.bias [5] float32" in answer.detail
+    assert gateway.metrics.rejected.get("odd", "manifest") == 1
+
+
+def test_welcome_carries_credit_and_version(gateway: Gateway) -> None:
+    welcome = Peer(gateway, "a").hello(gateway.manifest)
+    assert isinstance(welcome, Welcome)
+    assert welcome.manifest_digest == gateway.manifest.digest and welcome.model_version == 0
+    assert welcome.settings["credit"] == 5 and welcome.settings["window"] == 64
+
+
+def test_push_before_hello_is_not_applied(gateway: Gateway) -> None:
+    ack = Peer(gateway, "a").push(1, grads_for(gateway, 1.0))
+    assert not ack.accepted and ack.code == Reason.NOT_WELCOMED.value
+    assert gateway.acc[0].count == 0
+
+
+def test_a_duplicate_is_answered_the_same_and_applied_once(gateway: Gateway) -> None:
+    peer = Peer(gateway, "a")
+    peer.hello(gateway.manifest)
+    first = peer.push(1, grads_for(gateway, 1.0), count=3)
+    again = peer.push(1, grads_for(gateway, 1.0), count=3)
+    assert first.accepted and first.code == "" and first.credit == 5
+    assert again.accepted and again.code == Reason.DUPLICATE.value
+    assert [acc.count for acc in gateway.acc] == [3] * len(gateway.acc)
+    assert gateway.metrics.duplicates.get("a") == 1
+    # Once the edge says it no longer needs the verdict, a very late copy is still not applied.
+    peer.send(Push(seq=2, base_version=0, layers=(), resolved_below=2))
+    peer.recv()
+    assert peer.push(1, grads_for(gateway, 1.0)).code == Reason.DUPLICATE.value
+    assert gateway.acc[0].count == 3
+
+
+def test_seq_beyond_the_window_is_refused_unjudged(gateway: Gateway) -> None:
+    peer = Peer(gateway, "a")
+    peer.hello(gateway.manifest)
+    ack = peer.push(64, grads_for(gateway, 1.0))
+    assert not ack.accepted and ack.code == Reason.WINDOW.value
+    assert peer.push(63, grads_for(gateway, 1.0)).accepted
+
+
+def test_success_weighted_average_with_staleness_discount_and_drop(gateway: Gateway) -> None:
+    a, b = Peer(gateway, "a"), Peer(gateway, "b")
+    a.hello(gateway.manifest)
+    b.hello(gateway.manifest)
+    w0 = [p.detach().clone() for p in gateway.params]
+    ga = {n: torch.randn_like(p) for n, p in zip(gateway.names, gateway.params)}
+    gb = {n: torch.randn_like(p) for n, p in zip(gateway.names, gateway.params)}
+    assert a.push(1, ga, count=1).accepted
+    assert gateway.version == 0  # quorum is 2
+    assert b.push(1, gb, count=3).accepted
+    gateway.poll_once(0.0)
+    assert gateway.version == 1
+    for p, w, n in zip(gateway.params, w0, gateway.names):
+        torch.testing.assert_close(p.detach(), w - 0.5 * (ga[n] + gb[n]) / 4, rtol=0, atol=1e-6)
+
+    # Round 2: a fresh contribution and one a version behind (discount 0.5), then one too stale.
+    w1 = [p.detach().clone() for p in gateway.params]
+    gc = {n: torch.randn_like(p) for n, p in zip(gateway.names, gateway.params)}
+    assert a.push(2, gc, count=2, base=1).accepted
+    assert b.push(2, gb, count=2, base=0).accepted
+    gateway.poll_once(0.0)
+    assert gateway.version == 2
+    # momentum 0: the step is exactly lr * average
+    for p, w, n in zip(gateway.params, w1, gateway.names):
+        expected = w - 0.5 * (gc[n] + 0.5 * gb[n]) / 4
+        torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-6)
+    stale = a.push(3, gc, count=7, base=0)  # 2 versions behind, max_staleness 1
+    assert not stale.accepted and stale.code == Reason.STALE.value
+    assert gateway.metrics.dropped_stale.get("a", gateway.names[0]) == 7
+    assert gateway.acc[0].count == 0
+
+
+def test_model_request_answers_the_current_version(gateway: Gateway) -> None:
+    peer = Peer(gateway, "a")
+    peer.hello(gateway.manifest)
+    peer.send(ModelRequest(have_version=0))
+    model = peer.recv()
+    assert isinstance(model, Model) and model.full and model.version == 0
+    for layer, p in zip(model.layers, gateway.params):
+        assert torch.equal(layer.payload.tensor, p.detach())
+    peer.send(ModelRequest(have_version=0, names=(gateway.names[1],)))
+    part = peer.recv()
+    assert isinstance(part, Model) and not part.full and [x.name for x in part.layers] == [gateway.names[1]]
+
+
+def test_heartbeat_is_answered_with_the_version(gateway: Gateway) -> None:
+    peer = Peer(gateway, "a")
+    peer.hello(gateway.manifest)
+    peer.send(Heartbeat(nonce=7))
+    answer = peer.recv()
+    assert isinstance(answer, Heartbeat) and answer.reply and answer.nonce == 7
+
+
+@pytest.mark.parametrize(
+    ("frames", "reason"),
+    [
+        ([b"\x93not a map"], Reason.MALFORMED),
+        ([b"\x82\xa1v\x07\xa4type\xa4push"], Reason.VERSION),
+    ],
+)
+def test_garbage_is_refused_with_a_reason_and_the_gateway_serves_on(
+    gateway: Gateway, frames: list[bytes], reason: Reason
+) -> None:
+    peer = Peer(gateway, "a")
+    peer.hello(gateway.manifest)
+    peer.send_raw(frames)
+    answer = peer.recv()
+    assert isinstance(answer, Reject) and answer.code == reason.value
+    assert peer.push(1, grads_for(gateway, 1.0)).accepted
+    assert gateway.metrics.rejected.get("a", reason.value) == 1
+
+
+def test_nonfinite_gradient_is_refused_and_not_applied(gateway: Gateway) -> None:
+    peer = Peer(gateway, "a")
+    peer.hello(gateway.manifest)
+    bad = grads_for(gateway, 1.0)
+    bad[gateway.names[0]][0] = float("nan")
+    peer.send(Push(seq=1, base_version=0, layers=tuple(LayerGradient(n, Dense(g)) for n, g in bad.items())))
+    answer = peer.recv()
+    assert isinstance(answer, Reject) and answer.code == Reason.NONFINITE.value
+    assert all(acc.count == 0 for acc in gateway.acc)
+
+
+def test_round_policy_closes_on_quorum_or_deadline() -> None:
+    policy = DeadlineQuorum(deadline_s=1.0, quorum=2)
+    rnd = OpenRound(number=1, layers=2)
+    assert not policy.should_close(rnd, now=100.0)  # nothing to apply
+    rnd.record("a", [0, 1], 1, 0, now=10.0)
+    assert not policy.should_close(rnd, now=10.5)
+    rnd.record("b", [0], 1, 0, now=10.6)  # b has not covered every layer
+    assert not policy.should_close(rnd, now=10.7)
+    assert policy.should_close(rnd, now=11.0)  # deadline
+    rnd.record("b", [1], 1, 0, now=10.8)
+    assert policy.should_close(rnd, now=10.8)  # quorum
+
+
+def test_accumulator_and_weighting_validate() -> None:
+    acc = LayerAccumulator(3)
+    assert acc.average() is None
+    acc.add(torch.ones(3) * 2, 2, 1.0)  # sums of 2 step-gradients each
+    acc.add(torch.ones(3) * 8, 2, 0.5)
+    torch.testing.assert_close(acc.average(), torch.full((3,), (2 + 0.5 * 8) / 4))
+    with pytest.raises(ValueError, match="discount"):
+        SuccessWeighted(discount=0.0)
+    with pytest.raises(ValueError, match="quorum"):
+        DeadlineQuorum(quorum=0)
