@@ -18,6 +18,7 @@ cannot be delivered is counted, never dropped silently.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import os
 import threading
@@ -86,7 +87,18 @@ class ClientState:
     route: bytes
     floor: int = 0  # every seq below this is resolved on the edge's side
     verdicts: dict[int, tuple[bool, str]] = field(default_factory=dict)
+    order: list[int] = field(default_factory=list)  # heap of the seqs in `verdicts`
     last_seen: float = 0.0
+
+    def record(self, seq: int, verdict: tuple[bool, str]) -> None:
+        self.verdicts[seq] = verdict
+        heapq.heappush(self.order, seq)
+
+    def raise_floor(self, floor: int) -> None:
+        """The edge no longer needs verdicts below `floor`: forget them (bounded memory)."""
+        self.floor = floor
+        while self.order and self.order[0] < floor:
+            self.verdicts.pop(heapq.heappop(self.order), None)
 
 
 @dataclass(frozen=True)
@@ -305,8 +317,7 @@ class Gateway:
         cid = state.client_id
         self.metrics.pushes.inc(cid)
         if msg.resolved_below > state.floor:
-            state.floor = msg.resolved_below
-            state.verdicts = {s: v for s, v in state.verdicts.items() if s >= state.floor}
+            state.raise_floor(msg.resolved_below)
         if msg.seq < state.floor or msg.seq in state.verdicts:
             self.metrics.duplicates.inc(cid)
             accepted, code = state.verdicts.get(msg.seq, (True, ""))
@@ -324,8 +335,12 @@ class Gateway:
         if not self.weighting.admit(staleness):
             for layer in msg.layers:
                 self.metrics.dropped_stale.inc(cid, layer.name, by=layer.count)
-            state.verdicts[msg.seq] = (False, Reason.STALE.value)
+            state.record(msg.seq, (False, Reason.STALE.value))
             self._ack(route, msg.seq, False, Reason.STALE, f"{staleness} versions behind")
+            return
+        if not msg.layers:  # nothing to add; only the verdict (and the floor) matter
+            state.record(msg.seq, (True, ""))
+            self._ack(route, msg.seq, True, None, "")
             return
         scale = self.weighting.scale(staleness)
         indices = []
@@ -337,7 +352,7 @@ class Gateway:
             indices.append(i)
             count = max(count, layer.count)
         self.open.record(cid, indices, count, staleness, now)
-        state.verdicts[msg.seq] = (True, "")
+        state.record(msg.seq, (True, ""))
         self._ack(route, msg.seq, True, None, "")
 
     def _on_model_request(self, route: bytes, msg: ModelRequest) -> None:

@@ -97,9 +97,8 @@ def run(args: argparse.Namespace, config: EdgeConfig) -> int:
         signal.signal(sig, lambda *_: stop.set())
 
     # Start from the gateway's model when it answers soon; train from our own seed otherwise.
-    deadline = time.monotonic() + max(2.0, 4 * config.timeout_ms / 1000.0)
-    while time.monotonic() < deadline and not stop.is_set() and not agent.adopt_newest():
-        time.sleep(0.01)
+    if not agent.wait_ready(timeout_s=max(2.0, 4 * config.timeout_ms / 1000.0)):
+        log.warning("no answer from the gateway at %s yet: training from the local model", config.gateway)
 
     started = last_status = time.monotonic()
     loss = torch.tensor(0.0)
