@@ -120,7 +120,11 @@ class Proc:
         self.proc.wait(10)
 
     def _tail(self) -> str:
-        return "\n--- stderr ---\n" + "".join(self.stderr[-40:])
+        last = "\n".join(json.dumps(e) for e in self.events[-3:])
+        return (
+            f" (exit code {self.proc.poll()})\n--- last events ---\n{last}\n--- stderr ---\n"
+            + "".join(self.stderr[-40:])
+        )
 
 
 def edge(endpoint: str, client_id: str, *flags: str) -> Proc:

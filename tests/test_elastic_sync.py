@@ -22,6 +22,8 @@ from fleet import applied_by_layer, edge, free_port, gateway_process, gateway_th
 from cloud.aggregation import DeadlineQuorum, SuccessWeighted
 from cloud.gateway import Gateway, GatewayOptions
 from common.tasks.digits import build_model
+from edge.agent import ElasticEdge
+from edge.session import EdgeRefused, SessionOptions
 
 pytestmark = pytest.mark.slow
 
@@ -119,11 +121,12 @@ def test_a_long_outage_trains_on_in_bounded_memory_and_delivers_everything_after
     with gateway_thread(quorum=1, round_deadline_s=0.2, max_staleness=1_000_000) as gateway:
         down = edge(
             gateway.bound_endpoint, "outage", "--faults", f"outage={outage_start}+{outage_s}",
-            "--train-duration-s", "16", "--timeout-ms", str(timeout_ms), "--heartbeat-ms", "300",
-            "--status-every-s", "0.25", "--train-shard", "0/2",
+            "--train-duration-s", "16", "--train-epochs", "100000", "--timeout-ms", str(timeout_ms),
+            "--heartbeat-ms", "300", "--status-every-s", "0.25", "--train-shard", "0/2",
         )  # fmt: skip
         healthy = edge(
-            gateway.bound_endpoint, "healthy", "--train-duration-s", "16", "--timeout-ms", str(timeout_ms),
+            gateway.bound_endpoint, "healthy", "--train-duration-s", "16", "--train-epochs", "100000",
+            "--timeout-ms", str(timeout_ms),
             "--train-shard", "1/2",
         )  # fmt: skip
         summary = down.summary(timeout=120)
@@ -154,17 +157,9 @@ def test_edges_find_a_restarted_gateway_without_help() -> None:
     first = gateway_process(port, "--gateway-quorum", "1", "--gateway-round-deadline-s", "0.2")
     first.wait_for(lambda e: e.get("event") == "ready", 60, "a ready event")
     endpoint = f"tcp://127.0.0.1:{port}"
-    flags = [
-        "--train-duration-s",
-        "18",
-        "--timeout-ms",
-        "200",
-        "--heartbeat-ms",
-        "200",
-        "--status-every-s",
-        "0.2",
-    ]
-    edges = [edge(endpoint, f"restart-{i}", *flags, "--train-shard", f"{i}/2") for i in range(2)]
+    flags = "--train-duration-s 18 --train-epochs 100000 --timeout-ms 200 --heartbeat-ms 200"
+    flags += " --status-every-s 0.2"
+    edges = [edge(endpoint, f"restart-{i}", *flags.split(), "--train-shard", f"{i}/2") for i in range(2)]
     for e in edges:
         e.wait_for(
             lambda s: s.get("event") == "status" and s["version"] >= 3, 60, "a model from the first gateway"
@@ -191,3 +186,15 @@ def test_edges_find_a_restarted_gateway_without_help() -> None:
         applied = {k: v for k, v in gw["applied_steps"].items() if k.startswith(f"client={s['client']},")}
         assert applied and min(applied.values()) > 0
     assert gw["version"] > 0
+
+
+def test_an_edge_with_a_different_model_is_refused_with_the_first_difference() -> None:
+    with gateway_thread() as gateway:
+        wrong = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 9))
+        agent = ElasticEdge(wrong, SessionOptions(gateway=gateway.bound_endpoint, client_id="wrong"))
+        try:
+            first = r"entry 0: ours is 4.bias \[10\] float32, theirs is 2.bias \[9\]"
+            with pytest.raises(EdgeRefused, match=first):
+                agent.wait_ready(timeout_s=10)
+        finally:
+            agent.close()
