@@ -56,12 +56,17 @@ class LayerAccumulator:
     __slots__ = ("count", "total")
 
     def __init__(self, numel: int, dtype: torch.dtype = torch.float32) -> None:
-        self.total = torch.zeros(numel, dtype=dtype)
+        self.total = torch.empty(numel, dtype=dtype)
         self.count = 0
 
     def add(self, tensor: torch.Tensor, count: int, scale: float) -> None:
         flat = tensor.reshape(-1)
-        if scale == 1.0:
+        if self.count == 0:  # the first contribution of the round overwrites (no zeroing pass)
+            if scale == 1.0:
+                self.total.copy_(flat)
+            else:
+                torch.mul(flat, scale, out=self.total)
+        elif scale == 1.0:
             self.total.add_(flat)
         else:
             self.total.add_(flat, alpha=scale)
@@ -71,7 +76,6 @@ class LayerAccumulator:
         return self.total / self.count if self.count else None
 
     def reset(self) -> None:
-        self.total.zero_()
         self.count = 0
 
 

@@ -61,6 +61,7 @@ class UnitState:
     staging: torch.Tensor | None = None
     staged_event: Any = None
     staged: bool = False
+    staged_first: bool = False
     produced: int = 0  # step-gradients ever added (for the count audit)
 
     def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
@@ -106,7 +107,7 @@ class GradientCache:
             )
 
     def _buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.zeros(numel, dtype=dtype, pin_memory=self.pin_memory)
+        return torch.empty(numel, dtype=dtype, pin_memory=self.pin_memory)
 
     # ------------------------------------------------------------- training thread
     def add(self, u: int, grads: Sequence[torch.Tensor | None], base_version: int) -> None:
@@ -120,8 +121,16 @@ class GradientCache:
             if on_device is not None:
                 self._stage(unit, grads, on_device.device)
             else:
+                # An empty pending buffer holds stale bytes (buffers are recycled unzeroed): the
+                # first step-gradient is copied in, later ones added. One memory pass either way.
+                first = unit.pending_count == 0
                 for view, grad in zip(unit.views(unit.pending), grads):
-                    if grad is not None:
+                    if grad is None:
+                        if first:
+                            view.zero_()
+                    elif first:
+                        view.copy_(grad.detach())
+                    else:
                         view.add_(grad.detach())
             unit.pending_count += 1
             unit.produced += 1
@@ -139,12 +148,16 @@ class GradientCache:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
         unit.staged_event, unit.staged = event, True
+        unit.staged_first = unit.pending_count == 0
 
     @staticmethod
     def _settle(unit: UnitState) -> None:
         if unit.staged:
             unit.staged_event.synchronize()
-            unit.pending.add_(unit.staging)
+            if unit.staged_first:
+                unit.pending.copy_(unit.staging)
+            else:
+                unit.pending.add_(unit.staging)
             unit.staged = False
 
     # ------------------------------------------------------------------ I/O thread
@@ -180,8 +193,7 @@ class GradientCache:
             # Reuse the buffer only once the transport has let go of it (a zero-copy send may
             # still be queued); otherwise drop it and let the next take() allocate.
             if flight.release is None or getattr(flight.release, "done", True):
-                flight.buffer.zero_()
-                unit.spare = flight.buffer
+                unit.spare = flight.buffer  # not zeroed: the next first add overwrites it
             return flight
 
     # ------------------------------------------------------------------- accounting

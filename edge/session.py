@@ -144,6 +144,7 @@ class EdgeSession:
         # Shared with the training thread (guarded by _lock).
         self._lock = threading.Lock()
         self._wanted: set[int] = set()
+        self._wake_pending = False
         self._model: Model | None = None  # newest received model not yet taken by training
         self._error: BaseException | None = None
         self.have_version = model_version  # newest model this edge has (adopted or waiting)
@@ -157,6 +158,7 @@ class EdgeSession:
         self.announced = model_version
         self._model_asked_at = -1.0
         self._flights: dict[int, int] = {}  # seq -> unit
+        self._outstanding_n = 0  # flights sent whose deadline has not passed
         self._sock: zmq.Socket | None = None
         self._answered = False
         self._last_recv = 0.0
@@ -191,7 +193,7 @@ class EdgeSession:
         self.raise_if_failed()
         with self._lock:
             self._wanted.update(units)
-            self._wake_tx.send(b"", zmq.NOBLOCK)
+            self._wake()
 
     def take_model(self) -> Model | None:
         """The newest model received since the last call, if any."""
@@ -208,16 +210,26 @@ class EdgeSession:
         deadline = self.clock() + drain_s
         with self._lock:
             self._wanted.update(range(len(self.cache.units)))
-            self._wake_tx.send(b"", zmq.NOBLOCK)
+            self._wake()
         while self.cache.undelivered() and self.clock() < deadline and self._error is None:
             time.sleep(0.01)
         delivered = self.cache.undelivered() == 0
         self._stop.set()
         with self._lock:
-            self._wake_tx.send(b"", zmq.NOBLOCK)
+            self._wake_pending = False
+            self._wake()
         self._thread.join(timeout=5.0)
         self._wake_tx.close(linger=0)
         return delivered
+
+    def _wake(self) -> None:
+        # Under _lock. One wake-up in flight is enough: the I/O thread reads all of _wanted.
+        if not self._wake_pending:
+            self._wake_pending = True
+            try:
+                self._wake_tx.send(b"", zmq.NOBLOCK)
+            except zmq.Again:  # the I/O thread has wake-ups queued already
+                pass
 
     # ================================================================= I/O thread
     def _run(self) -> None:
@@ -232,6 +244,8 @@ class EdgeSession:
                 events = dict(poller.poll(max(0, int(wait * 1000) + 1)))
                 now = self.clock()
                 if events.get(self._wake_rx):
+                    with self._lock:
+                        self._wake_pending = False
                     while self._wake_rx.poll(0):
                         self._wake_rx.recv()
                 if self._sock is not None and events.get(self._sock):
@@ -336,7 +350,7 @@ class EdgeSession:
             seq=flight.seq,
             base_version=flight.base_version,
             layers=layers,
-            resolved_below=min(self._flights, default=self.seq),
+            resolved_below=self._oldest_unanswered(),
         )
         result = self._send(encode(msg), now, track=True)
         self.metrics.pushes.inc()
@@ -361,7 +375,7 @@ class EdgeSession:
             unit = self.cache.units[u]
             if unit.flight is not None:
                 continue  # waits for the unanswered push of this unit
-            floor = min(self._flights, default=self.seq)
+            floor = self._oldest_unanswered()
             if self.seq - floor >= self.window:
                 return
             flight = self.cache.take(u, self.seq, now, self.options.timeout_s)
@@ -370,17 +384,22 @@ class EdgeSession:
             if flight is None:
                 continue
             self._flights[flight.seq] = u
+            self._outstanding_n += 1  # a new flight starts outstanding
             self.seq += 1
             if not self._push(u, flight, now):
                 self._mark_weak(u, flight)
 
+    def _oldest_unanswered(self) -> int:
+        # _flights is keyed by seq in insertion order, and seqs are handed out increasing.
+        return next(iter(self._flights), self.seq)
+
     def _outstanding(self) -> int:
-        n = 0
-        for u in self._flights.values():
-            flight = self.cache.units[u].flight
-            if flight is not None and flight.outstanding:
-                n += 1
-        return n
+        return self._outstanding_n
+
+    def _set_outstanding(self, flight: Flight, value: bool) -> None:
+        if flight.outstanding != value:
+            flight.outstanding = value
+            self._outstanding_n += 1 if value else -1
 
     def _resend_weak(self, now: float) -> None:
         """The link answers again: every weak push goes again, in one batch, as far as credit allows."""
@@ -392,22 +411,19 @@ class EdgeSession:
             if flight is None or flight.outstanding:
                 continue
             flight.sends += 1
-            flight.outstanding = True
+            self._set_outstanding(flight, True)
             flight.deadline = now + self.options.timeout_s
             for name in self.cache.units[u].names:
                 self.metrics.retransmits.inc(name)
             if not self._push(u, flight, now):
-                flight.outstanding = False
+                self._set_outstanding(flight, False)
 
     def _has_weak(self) -> bool:
-        for u in self._flights.values():
-            flight = self.cache.units[u].flight
-            if flight is not None and not flight.outstanding:
-                return True
-        return False
+        """Some unanswered push waits to be sent again (weak, or sent back unjudged)."""
+        return len(self._flights) > self._outstanding_n
 
     def _mark_weak(self, u: int, flight: Flight) -> None:
-        flight.outstanding = False
+        self._set_outstanding(flight, False)
         if not flight.weak:
             flight.weak = True
             for name in self.cache.units[u].names:
@@ -470,22 +486,23 @@ class EdgeSession:
     def _on_ack(self, msg: Ack, now: float) -> None:
         self.credit = msg.credit
         self._announce(msg.model_version)
-        u = self._flights.pop(msg.seq, None)
+        u = self._flights.get(msg.seq)
         if u is None:
             return  # an answer to a push already answered (a duplicate or late ack)
         code = msg.code
         if not msg.accepted and code in (Reason.WINDOW.value, Reason.NOT_WELCOMED.value):
-            self._flights[msg.seq] = u  # not judged: keep it and send again later
-            flight = self.cache.units[u].flight
+            flight = self.cache.units[u].flight  # not judged: keep it and send again later
             if flight is not None:
-                flight.outstanding = False
+                self._set_outstanding(flight, False)
             if code == Reason.NOT_WELCOMED.value:
                 self.welcomed = False
                 self._say_hello(now)
             return
+        del self._flights[msg.seq]
         flight = self.cache.resolve(u)
         if flight is None:
             return
+        self._set_outstanding(flight, False)
         names = self.cache.units[u].names
         for name in names:
             self.metrics.latency.observe(name, value=now - flight.first_sent)

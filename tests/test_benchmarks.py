@@ -47,3 +47,22 @@ def test_cloud_sync_benchmark_reports_its_figures() -> None:
     assert set(figures["models"]) == {"deep", "wide"}
     sent = figures["bytes_per_step"]
     assert sent["layerwise"] == sent["ddp"] and sent["topk:0.01"] < sent["ddp"] / 10
+
+
+@pytest.mark.slow
+def test_edge_link_benchmark_reports_its_figures() -> None:
+    result = subprocess.run(
+        [sys.executable, "benchmarks/edge_link.py", "--seconds", "0.5", "--steps", "3", "--blocks", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    for key in (
+        "push_mbps_4mib", "raw_zmq_mbps_4mib", "ratio_vs_raw_4mib", "layers_per_s_4kib",
+        "raw_msgs_per_s_4kib", "edge_step_overhead_ratio", "mlp_step_overhead_ratio",
+    ):  # fmt: skip
+        assert figures[key] > 0, key
+    assert figures["mlp_pushes_per_step"] > 0.5  # on a lossless link nearly every step is pushed

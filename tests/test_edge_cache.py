@@ -20,7 +20,13 @@ def test_pending_sums_and_counts_and_views_match_the_layers() -> None:
     assert unit.pending_count == 2 and unit.pending_base == 3  # the oldest base counts
     flight = cache.take(0, seq=1, now=0.0, timeout_s=0.5)
     assert flight is not None and flight.count == 2 and flight.base_version == 3 and flight.deadline == 0.5
-    assert unit.pending_count == 0 and torch.count_nonzero(unit.pending) == 0
+    assert unit.pending_count == 0
+    # The recycled buffer is not zeroed; the next step's gradient overwrites it (None: zeros).
+    unit.pending.fill_(7.0)
+    cache.add(0, [None, torch.full((4, 3), 5.0)], base_version=5)
+    b, w = unit.views(unit.pending)
+    assert torch.equal(b, torch.zeros(4)) and torch.equal(w, torch.full((4, 3), 5.0))
+    assert unit.pending_base == 5
 
 
 def test_one_unanswered_send_per_unit_and_bounded_memory_through_an_outage() -> None:
