@@ -234,7 +234,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
             key.flag,
             dest=key.dest,
             default=None,
-            help=f"{meta['help']}{extra} [default: {default}]",
+            # argparse formats help with %: a literal % in a setting's text must not break --help.
+            help=f"{meta['help']}{extra} [default: {default}]".replace("%", "%%"),
             **kwargs,
         )
 
