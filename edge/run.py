@@ -66,6 +66,13 @@ def _by_layer(rows: dict[str, Any]) -> dict[str, Any]:
 def run(args: argparse.Namespace, config: EdgeConfig) -> int:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     client_id = config.client_id or socket.gethostname()
+    if config.compression != "none":
+        print(
+            f"elasticfed edge: error: --compression {config.compression}: the edge pushes dense "
+            "gradients only for now (compression exists between cloud ranks); use --compression none",
+            file=sys.stderr,
+        )
+        return 2
     if not config.security.insecure:
         log.warning("CURVE is not built yet (issue #6): this agent's link is NOT encrypted or authenticated")
     try:

@@ -170,3 +170,13 @@ def test_a_setting_of_an_unsupported_type_is_refused_at_declaration() -> None:
 
     with pytest.raises(TypeError, match="Bad.hosts"):
         list(cfg._keys(Bad))
+
+
+def test_edge_refuses_compression_it_cannot_do_yet(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["edge", "--compression", "topk:0.1", "--insecure"]) == 2
+    assert "--compression topk:0.1" in capsys.readouterr().err
+
+
+def test_gateway_alone_refuses_a_bad_task(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["cloud", "serve", "--mode", "standalone", "--task", "nowhere.at_all:task", "--insecure"]) == 2
+    assert "cannot import module 'nowhere.at_all'" in capsys.readouterr().err
