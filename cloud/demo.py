@@ -45,7 +45,13 @@ class _EdgeProcess:
         # five processes costs more than it gives.
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=self.log, text=True, bufsize=1, env=env
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            bufsize=1,
+            env=env,
+            preexec_fn=_die_with_parent,
         )
         self.status: dict[str, Any] = {}
         self.summary: dict[str, Any] | None = None
@@ -72,6 +78,14 @@ class _EdgeProcess:
         self.reader.join(timeout=2)
         self.log.close()
         return code
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the demo dies, however it dies (Linux), so no edge is left behind."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _edge_argv(config: DemoConfig, i: int, endpoint: str) -> list[str]:
@@ -226,9 +240,11 @@ def run(args: argparse.Namespace, config: DemoConfig, out: TextIO = sys.stdout) 
     progress = _Progress(out, config.rounds)
     accuracy = 0.0
     last_eval = -1
+    interrupted = threading.Event()  # SIGTERM or Ctrl-C: stop the edges, drain, report
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: interrupted.set())
     try:
-        while True:
-            time.sleep(0.2)
+        while not interrupted.wait(0.2):
             with round_lock:
                 current, stale = rounds_closed, staleness
             if current != last_eval:
