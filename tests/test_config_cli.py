@@ -178,5 +178,6 @@ def test_edge_refuses_compression_it_cannot_do_yet(capsys: pytest.CaptureFixture
 
 
 def test_gateway_alone_refuses_a_bad_task(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["cloud", "serve", "--mode", "standalone", "--task", "nowhere.at_all:task", "--insecure"]) == 2
+    argv = ["cloud", "serve", "--mode", "standalone", "--task", "nowhere.at_all:task", "--insecure"]
+    assert main(argv) == 2
     assert "cannot import module 'nowhere.at_all'" in capsys.readouterr().err
