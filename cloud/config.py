@@ -96,13 +96,17 @@ class CloudConfig:
 @dataclass(frozen=True)
 class DemoConfig:
     edges: int = setting(4, "edge agents to start, each its own process", min=1, max=32)
-    rounds: int = setting(400, "rounds the gateway closes before the edges are told to stop", min=1)
+    rounds: int = setting(500, "rounds the gateway closes before the edges are told to stop", min=1)
     time_limit_s: float = setting(150.0, "stop the edges after this long even if rounds remain", min=1.0)
     loss: float = setting(0.3, "share of messages lost, each direction", min=0.0, max=0.99)
     burst: float = setting(3.0, "mean length of a loss burst in messages (1: independent losses)", min=1.0)
     delay_ms: float = setting(1.0, "one-way delay added to every message", min=0.0)
     jitter_ms: float = setting(1.0, "standard deviation of that delay", min=0.0)
-    timeout_ms: int = setting(200, "per-layer deadline before a push is weakly synced", min=1)
+    timeout_ms: int = setting(100, "per-layer deadline before a push is weakly synced", min=1)
+    edge_lr: float = setting(
+        0.01, "learning rate of the edges' local steps (the gateway uses the task's); small limits drift",
+        min=0.0,
+    )
     partition: str = setting(
         "iid", "how the edges split the data: iid or shards (non-IID)", choices=("iid", "shards")
     )

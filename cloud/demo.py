@@ -130,6 +130,8 @@ def _edge_argv(config: DemoConfig, i: int, endpoint: str) -> list[str]:
         str(config.seed),
         "--train-epochs",
         "100000",
+        "--train-lr",
+        str(config.edge_lr),
         "--status-every-s",
         "0.5",
         "--drain-s",

@@ -38,7 +38,7 @@ def test_demo_at_its_default_30_percent_bursty_loss_reaches_93_percent() -> None
 
 
 def test_demo_lossless_reaches_95_percent() -> None:
-    figures, out = run_demo("--loss", "0", "--rounds", "300")
+    figures, out = run_demo("--loss", "0")
     assert figures["accuracy"] >= 0.95, out[-2000:]
     assert figures["weak_syncs"] == 0 and figures["audit_ok"]
 
