@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from edge.cache import GradientCache
@@ -70,3 +71,17 @@ def test_units_must_keep_one_dtype() -> None:
         assert "mixes dtypes" in str(exc)
     else:
         raise AssertionError("a unit of two dtypes was accepted")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_gradients_are_staged_asynchronously_and_sum_like_cpu_ones() -> None:
+    cache = GradientCache(UNITS, pin_memory=True)
+    grads = [torch.randn(4, device="cuda"), torch.randn(4, 3, device="cuda")]
+    cache.add(0, grads, 0)
+    assert cache.units[0].staged  # not added yet: backward did not wait for the copy
+    cache.add(0, grads, 0)
+    flight = cache.take(0, seq=1, now=0.0, timeout_s=1.0)
+    assert flight is not None and flight.count == 2 and flight.buffer.is_pinned()
+    b, w = cache.units[0].views(flight.buffer)
+    torch.testing.assert_close(b, 2 * grads[0].cpu())
+    torch.testing.assert_close(w, 2 * grads[1].cpu())

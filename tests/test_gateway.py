@@ -242,3 +242,9 @@ def test_accumulator_and_weighting_validate() -> None:
         SuccessWeighted(discount=0.0)
     with pytest.raises(ValueError, match="quorum"):
         DeadlineQuorum(quorum=0)
+
+
+def test_a_reply_that_cannot_be_delivered_is_counted_not_lost_silently(gateway: Gateway) -> None:
+    # ROUTER_MANDATORY: a route that is gone raises inside the gateway, which counts it.
+    gateway._reply(b"an-edge-that-left", Heartbeat(nonce=1, reply=True))
+    assert gateway.metrics.send_failures.get("peer_gone") == 1
