@@ -111,6 +111,10 @@ class RoundPolicy(Protocol):
 
     def should_close(self, round_: OpenRound, now: float) -> bool: ...
 
+    def time_left(self, round_: OpenRound, now: float) -> float | None:
+        """Seconds until the round would close on time alone (None: no deadline running)."""
+        ...
+
 
 @dataclass(frozen=True)
 class DeadlineQuorum:

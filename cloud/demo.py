@@ -240,6 +240,7 @@ def run(args: argparse.Namespace, config: DemoConfig, out: TextIO = sys.stdout) 
         for i in range(config.edges)
     ]
     progress = _Progress(out, config.rounds)
+    eval_model = task.build_model()  # loaded from each new snapshot; the gateway's own model keeps moving
     accuracy = 0.0
     last_eval = -1
     interrupted = threading.Event()  # SIGTERM or Ctrl-C: stop the edges, drain, report
@@ -251,7 +252,7 @@ def run(args: argparse.Namespace, config: DemoConfig, out: TextIO = sys.stdout) 
                 current, stale = rounds_closed, staleness
             if current != last_eval:
                 # Evaluate a snapshot (the gateway thread keeps stepping the live model).
-                accuracy = _evaluate(task, gateway)
+                accuracy = _evaluate(task, eval_model, test_set, gateway)
                 last_eval = current
             progress.draw(current, accuracy, edges, stale, time.monotonic() - started)
             if current >= config.rounds or time.monotonic() - started >= config.time_limit_s:
@@ -273,10 +274,9 @@ def run(args: argparse.Namespace, config: DemoConfig, out: TextIO = sys.stdout) 
     return _report(out, config, gateway, edges, codes, accuracy, trained_s, time.monotonic() - started)
 
 
-def _evaluate(task: Any, gateway: Any) -> float:
-    model = task.build_model()
+def _evaluate(task: Any, model: torch.nn.Module, test_set: Any, gateway: Any) -> float:
     model.load_state_dict(gateway.snapshot(), strict=False)
-    return task.evaluate(model, task.test_set())
+    return task.evaluate(model, test_set)
 
 
 def _report(

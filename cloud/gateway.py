@@ -61,6 +61,7 @@ from protocol import (
     apply_limits,
     decode,
     encode,
+    frame_bytes,
 )
 
 log = logging.getLogger("elasticfed.gateway")
@@ -224,7 +225,7 @@ class Gateway:
     def poll_once(self, timeout_s: float) -> None:
         assert self._sock is not None, "bind() first"
         wait = timeout_s
-        left = getattr(self.rounds, "time_left", lambda r, n: None)(self.open, self.clock())
+        left = self.rounds.time_left(self.open, self.clock())
         if left is not None:
             wait = max(0.0, min(wait, left))
         if self._sock.poll(int(wait * 1000) + 1, zmq.POLLIN):
@@ -267,7 +268,7 @@ class Gateway:
             return
         state.last_seen = now
         if isinstance(msg, Push):
-            self.metrics.bytes.inc(state.client_id, by=sum(len(_buf(f)) for f in body))
+            self.metrics.bytes.inc(state.client_id, by=sum(len(frame_bytes(f)) for f in body))
             self._on_push(route, state, msg, now)
         elif isinstance(msg, Heartbeat):
             self._reply(route, Heartbeat(nonce=msg.nonce, reply=True, model_version=self.version))
@@ -322,7 +323,12 @@ class Gateway:
             self.metrics.duplicates.inc(cid)
             accepted, code = state.verdicts.get(msg.seq, (True, ""))
             self._ack(
-                route, msg.seq, accepted, code or Reason.DUPLICATE, "answered before; not applied again"
+                route,
+                msg.seq,
+                accepted,
+                code or Reason.DUPLICATE,
+                "answered before; not applied again",
+                count=False,
             )
             return
         if msg.seq >= state.floor + self.options.window or len(state.verdicts) >= self.options.window:
@@ -424,9 +430,18 @@ class Gateway:
         return {n: p.detach().to("cpu", copy=True).contiguous() for n, p in zip(self.names, self.params)}
 
     # ---------------------------------------------------------------------- replies
-    def _ack(self, route: bytes, seq: int, accepted: bool, code: Reason | str | None, detail: str) -> None:
+    def _ack(
+        self,
+        route: bytes,
+        seq: int,
+        accepted: bool,
+        code: Reason | str | None,
+        detail: str,
+        count: bool = True,
+    ) -> None:
+        # `count`: a repeated verdict (duplicate of a refused push) is not a second refusal.
         code_text = code.value if isinstance(code, Reason) else (code or "")
-        if not accepted and code_text not in (Reason.WINDOW.value, Reason.NOT_WELCOMED.value):
+        if count and not accepted and code_text not in (Reason.WINDOW.value, Reason.NOT_WELCOMED.value):
             client = self.routes.get(route, "?")
             self.metrics.rejected.inc(client, code_text)
         self._reply(
@@ -461,7 +476,3 @@ class Gateway:
             "clients": sorted(self.clients),
             "metrics": self.metrics.registry.snapshot(),
         }
-
-
-def _buf(frame: Any) -> Any:
-    return frame.buffer if isinstance(frame, zmq.Frame) else frame

@@ -38,7 +38,6 @@ class Flight:
     base_version: int
     first_sent: float
     deadline: float
-    sends: int = 1
     weak: bool = False  # missed a deadline at least once
     outstanding: bool = True  # sent, deadline not passed yet
     release: Any = None  # object with .done once the transport no longer reads `buffer`

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -54,6 +55,7 @@ from protocol import (
     apply_limits,
     decode,
     encode,
+    frame_bytes,
 )
 
 log = logging.getLogger("elasticfed.edge")
@@ -90,8 +92,7 @@ class EdgeRefused(RuntimeError):
 class EdgeMetrics:
     """What an edge records, per layer where it makes sense; see common/metrics.py."""
 
-    def __init__(self, client: str) -> None:
-        self.client = client
+    def __init__(self) -> None:
         m = self.registry = Metrics()
         self.strong = m.counter(
             "edge_strong_syncs_total", "layer pushes answered within the deadline", ["layer"]
@@ -138,7 +139,7 @@ class EdgeSession:
         self.manifest = manifest
         self.cache = cache
         self.clock = clock
-        self.metrics = EdgeMetrics(options.client_id)
+        self.metrics = EdgeMetrics()
         self.ctx = zmq.Context.instance()
 
         # Shared with the training thread (guarded by _lock).
@@ -173,7 +174,9 @@ class EdgeSession:
         self.up: FaultyChannel[list[Any]] | None = None
         self.down: FaultyChannel[list[Any]] | None = None
         if options.faults.active:
-            self.up = FaultyChannel(options.faults, 0, start, lambda frames: [bytes(_buf(f)) for f in frames])
+            self.up = FaultyChannel(
+                options.faults, 0, start, lambda frames: [bytes(frame_bytes(f)) for f in frames]
+            )
             self.down = FaultyChannel(options.faults, 1, start, lambda frames: frames)
 
         self._stop = threading.Event()
@@ -354,9 +357,8 @@ class EdgeSession:
         )
         result = self._send(encode(msg), now, track=True)
         self.metrics.pushes.inc()
-        nbytes = unit.numel * unit.dtype.itemsize
         for name, shape in zip(unit.names, unit.shapes):
-            self.metrics.sent_bytes.inc(name, by=nbytes * _share(shape, unit.numel))
+            self.metrics.sent_bytes.inc(name, by=math.prod(shape) * unit.dtype.itemsize)
             self.metrics.staleness.observe(name, value=max(0, self.announced - flight.base_version))
         if result is False:
             return False
@@ -410,7 +412,6 @@ class EdgeSession:
             flight = self.cache.units[u].flight
             if flight is None or flight.outstanding:
                 continue
-            flight.sends += 1
             self._set_outstanding(flight, True)
             flight.deadline = now + self.options.timeout_s
             for name in self.cache.units[u].names:
@@ -601,17 +602,6 @@ class EdgeSession:
             if channel is not None:
                 out[name] = dict(channel.stats.__dict__)
         return out
-
-
-def _buf(frame: Any) -> Any:
-    return frame.buffer if isinstance(frame, zmq.Frame) else frame
-
-
-def _share(shape: tuple[int, ...], total: int) -> float:
-    n = 1
-    for d in shape:
-        n *= d
-    return n / total if total else 0.0
 
 
 def _int_setting(settings: dict[str, object], key: str, default: int) -> int:

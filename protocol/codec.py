@@ -198,8 +198,13 @@ def _decode(frames: Sequence[Frame], limits: Limits, manifest: Manifest | None) 
     return cls(**values)
 
 
+def frame_bytes(frame: Frame) -> Any:
+    """The bytes of a frame as sent or received (a zmq.Frame exposes them as .buffer)."""
+    return getattr(frame, "buffer", frame)
+
+
 def _as_bytes(frame: Frame, index: int) -> memoryview:
-    buf = getattr(frame, "buffer", frame)  # zmq.Frame exposes its bytes as .buffer
+    buf = frame_bytes(frame)
     if not isinstance(buf, (bytes, bytearray, memoryview)):
         raise ProtocolError(Reason.MALFORMED, f"frame {index} is a {type(frame).__name__}, not bytes")
     view = memoryview(buf)

@@ -10,7 +10,7 @@ import torch
 import zmq
 from torch import nn
 
-from cloud.aggregation import DeadlineQuorum, LayerAccumulator, OpenRound, SuccessWeighted
+from cloud.aggregation import CosineDecay, DeadlineQuorum, LayerAccumulator, OpenRound, SuccessWeighted
 from cloud.gateway import Gateway, GatewayOptions
 from protocol import (
     Ack,
@@ -248,3 +248,23 @@ def test_a_reply_that_cannot_be_delivered_is_counted_not_lost_silently(gateway: 
     # ROUTER_MANDATORY: a route that is gone raises inside the gateway, which counts it.
     gateway._reply(b"an-edge-that-left", Heartbeat(nonce=1, reply=True))
     assert gateway.metrics.send_failures.get("peer_gone") == 1
+
+
+def test_a_duplicate_of_a_stale_push_gets_the_same_verdict_and_is_counted_once(gateway: Gateway) -> None:
+    peer = Peer(gateway, "a")
+    peer.hello(gateway.manifest)
+    gateway.version = 5  # max_staleness is 1
+    first = peer.push(1, grads_for(gateway, 1.0), count=2, base=0)
+    again = peer.push(1, grads_for(gateway, 1.0), count=2, base=0)
+    assert (first.accepted, first.code) == (again.accepted, again.code) == (False, Reason.STALE.value)
+    assert gateway.metrics.rejected.get("a", Reason.STALE.value) == 1
+    assert gateway.metrics.dropped_stale.get("a", gateway.names[0]) == 2
+    assert gateway.metrics.duplicates.get("a") == 1
+
+
+def test_cosine_decay_goes_from_full_to_floor_and_stays() -> None:
+    decay = CosineDecay(rounds=100, floor=0.05)
+    assert decay(1) == pytest.approx(1.0)
+    assert decay(51) == pytest.approx(0.525)
+    assert decay(101) == pytest.approx(0.05) and decay(1000) == pytest.approx(0.05)
+    assert all(decay(r) >= decay(r + 1) for r in range(1, 120))
