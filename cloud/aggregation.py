@@ -11,6 +11,14 @@ concrete accumulator:
 contributions' (discounted) sums divided by the sum of their counts, where a
 count is the number of step-gradients a contribution carries.  A device whose
 pushes were weak is therefore not under-weighted, only late.
+
+`LocalProgress` is FedAvg's rule for the same contributions: a sum over c local
+steps is how far the edge's own model moved (times its learning rate), and the
+update is the mean of those moves over contributions.  Where every push carries
+one step the two agree; where a lossy link makes an edge deliver a thousand
+steps at once, success weighting turns them into one averaged step (the local
+progress is thrown away when the edge adopts the next global model), while
+local progress keeps it.  Measured in benchmarks/convergence.py.
 """
 
 from __future__ import annotations
@@ -23,11 +31,17 @@ import torch
 
 
 class Weighting(Protocol):
-    """Admission and discount of a contribution by its staleness (model versions behind)."""
+    """Admission and weight of a contribution: its staleness (model versions behind) and count."""
 
     def admit(self, staleness: int) -> bool: ...
 
-    def scale(self, staleness: int) -> float: ...
+    def scale(self, staleness: int) -> float:
+        """Factor on the contribution's sum."""
+        ...
+
+    def share(self, count: int) -> int:
+        """What the contribution adds to the divisor of its layer's average."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -49,6 +63,39 @@ class SuccessWeighted:
     def scale(self, staleness: int) -> float:
         return self.discount**staleness
 
+    def share(self, count: int) -> int:
+        return count
+
+
+@dataclass(frozen=True)
+class LocalProgress:
+    """mean over contributions of (edge_lr / gateway_lr) * discount**staleness * sum (FedAvg).
+
+    The ratio turns an edge's local move into a gradient for the gateway's
+    optimizer: with plain SGD the update is exactly the mean of the edges' moves.
+    """
+
+    edge_lr: float
+    gateway_lr: float
+    max_staleness: int = 8
+    discount: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.edge_lr <= 0 or self.gateway_lr <= 0:
+            raise ValueError(
+                f"learning rates must be > 0, got edge {self.edge_lr}, gateway {self.gateway_lr}"
+            )
+        SuccessWeighted(self.max_staleness, self.discount)  # same checks
+
+    def admit(self, staleness: int) -> bool:
+        return staleness <= self.max_staleness
+
+    def scale(self, staleness: int) -> float:
+        return self.edge_lr / self.gateway_lr * self.discount**staleness
+
+    def share(self, count: int) -> int:
+        return 1
+
 
 class LayerAccumulator:
     """Running discounted sum and count of one layer's contributions in the open round."""
@@ -60,6 +107,7 @@ class LayerAccumulator:
         self.count = 0
 
     def add(self, tensor: torch.Tensor, count: int, scale: float) -> None:
+        """Add a (scaled) sum; `count` is its share of the divisor (see `Weighting.share`)."""
         flat = tensor.reshape(-1)
         if self.count == 0:  # the first contribution of the round overwrites (no zeroing pass)
             if scale == 1.0:

@@ -23,6 +23,15 @@ class GatewaySettings:
     staleness_discount: float = setting(
         1.0, "scale a contribution by this to the power of its staleness (1: none)", min=0.001, max=1.0
     )
+    weighting: str = setting(
+        "success",
+        "how contributions are averaged: success (sum / step count, DESIGN section 6) or progress "
+        "(FedAvg: mean of the edges' local moves; keeps local progress over very lossy links)",
+        choices=("success", "progress"),
+    )
+    edge_lr: float = setting(
+        0.0, "the edges' local learning rate, which weighting=progress needs (0: the task's)", min=0.0
+    )
     lr: float = setting(0.0, "learning rate of the gateway's SGD on the averages (0: the task's)", min=0.0)
     momentum: float = setting(0.9, "momentum of the gateway's SGD", min=0.0, max=0.999)
     lr_decay_rounds: int = setting(
@@ -104,11 +113,17 @@ class DemoConfig:
     jitter_ms: float = setting(1.0, "standard deviation of that delay", min=0.0)
     timeout_ms: int = setting(100, "per-layer deadline before a push is weakly synced", min=1)
     edge_lr: float = setting(
-        0.01, "learning rate of the edges' local steps (the gateway uses the task's); small limits drift",
+        0.01,
+        "learning rate of the edges' local steps (the gateway uses the task's); small limits drift",
         min=0.0,
     )
     partition: str = setting(
         "iid", "how the edges split the data: iid or shards (non-IID)", choices=("iid", "shards")
+    )
+    weighting: str = setting(
+        "progress",
+        "success (sum / step count) or progress (FedAvg: mean of local moves; holds up at 95%% loss)",
+        choices=("success", "progress"),
     )
     quorum: int = setting(2, "a round closes once this many edges contributed to every layer", min=1)
     round_deadline_s: float = setting(0.5, "or this long after its first contribution", min=0.01)

@@ -203,6 +203,8 @@ def run(args: argparse.Namespace, config: DemoConfig, out: TextIO = sys.stdout) 
             round_deadline_s=config.round_deadline_s,
             quorum=min(config.quorum, config.edges),
             max_staleness=config.max_staleness,
+            weighting=config.weighting,
+            edge_lr=config.edge_lr,
             lr_decay_rounds=config.rounds,
             seed=config.seed,
         ),
@@ -295,17 +297,21 @@ def _report(
     dropped = status["metrics"]["gateway_dropped_stale_steps_total"]
     rows = []
     audit_ok = True
-    produced_total = applied_total = dropped_total = 0
+    produced_total = applied_total = dropped_total = held_total = 0
     for e, code in zip(edges, codes):
         s = e.summary or {}
         produced = s.get("produced_steps", {})
+        held = s.get("undelivered_by_layer", {})
         for layer, n in produced.items():
             got = applied.get(f"client={e.name},layer={layer}", 0)
             lost = dropped.get(f"client={e.name},layer={layer}", 0)
             produced_total += n
             applied_total += got
             dropped_total += lost
-            audit_ok &= got + lost == n
+            # Nothing counted twice, and whatever was not applied is still held by the edge
+            # (an unanswered push may have been applied already: hence <=, not ==).
+            audit_ok &= got + lost <= n and n - got - lost <= held.get(layer, 0)
+            held_total += n - got - lost
         rows.append(
             (
                 e.name,
@@ -340,7 +346,8 @@ def _report(
     print(f"  weak syncs         {weak} of {strong + weak} layer pushes; {resent} re-sent", file=out)
     print(
         f"  count audit        {'OK' if audit_ok else 'MISMATCH'}: {produced_total} step-gradients produced, "
-        f"{applied_total} applied once, {dropped_total} dropped as too stale",
+        f"{applied_total} applied once, {dropped_total} dropped as too stale, "
+        f"{held_total} still held by edges",
         file=out,
     )
     print(
@@ -359,6 +366,7 @@ def _report(
                 "produced_steps": produced_total,
                 "applied_steps": applied_total,
                 "dropped_stale_steps": dropped_total,
+                "held_steps": held_total,
                 "duplicates": int(g.get("gateway_duplicates_total", 0)),
                 "audit_ok": audit_ok,
             }

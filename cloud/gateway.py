@@ -66,6 +66,10 @@ from protocol import (
 
 log = logging.getLogger("elasticfed.gateway")
 
+# Verdicts repeated in every ack and heartbeat reply: an edge has at most `credit`
+# pushes outstanding, so this covers them all unless it falls far behind.
+VERDICTS_PER_ANSWER = 64
+
 
 @dataclass(frozen=True)
 class GatewayOptions:
@@ -87,13 +91,19 @@ class ClientState:
     client_id: str
     route: bytes
     floor: int = 0  # every seq below this is resolved on the edge's side
-    verdicts: dict[int, tuple[bool, str]] = field(default_factory=dict)
+    # seq -> (code, attempt): code "" is applied; attempt is the copy of the push that was judged.
+    verdicts: dict[int, tuple[str, int]] = field(default_factory=dict)
     order: list[int] = field(default_factory=list)  # heap of the seqs in `verdicts`
     last_seen: float = 0.0
 
-    def record(self, seq: int, verdict: tuple[bool, str]) -> None:
-        self.verdicts[seq] = verdict
+    def record(self, seq: int, code: str, attempt: int) -> None:
+        self.verdicts[seq] = (code, attempt)
         heapq.heappush(self.order, seq)
+
+    def pending(self, limit: int) -> tuple[tuple[int, str], ...]:
+        """Verdicts the edge may not have heard yet (oldest first), for a cumulative acknowledgement."""
+        seqs = self.order if len(self.order) <= limit else heapq.nsmallest(limit, self.order)
+        return tuple((seq, self.verdicts[seq][0]) for seq in sorted(seqs))
 
     def raise_floor(self, floor: int) -> None:
         """The edge no longer needs verdicts below `floor`: forget them (bounded memory)."""
@@ -192,6 +202,9 @@ class Gateway:
         sock = zmq.Context.instance().socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an undeliverable reply raises instead of vanishing
+        # An edge keeps its routing id across reconnects: the new connection takes over the old
+        # (possibly half-open) one, and the edge stays welcomed without another round trip.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         apply_limits(sock, self.options.limits)
         sock.bind(self.options.bind)
         self._sock = sock
@@ -271,7 +284,17 @@ class Gateway:
             self.metrics.bytes.inc(state.client_id, by=sum(len(frame_bytes(f)) for f in body))
             self._on_push(route, state, msg, now)
         elif isinstance(msg, Heartbeat):
-            self._reply(route, Heartbeat(nonce=msg.nonce, reply=True, model_version=self.version))
+            if msg.resolved_below > state.floor:
+                state.raise_floor(msg.resolved_below)
+            self._reply(
+                route,
+                Heartbeat(
+                    nonce=msg.nonce,
+                    reply=True,
+                    model_version=self.version,
+                    verdicts=state.pending(VERDICTS_PER_ANSWER),
+                ),
+            )
         elif isinstance(msg, ModelRequest):
             self._on_model_request(route, msg)
         else:
@@ -321,14 +344,15 @@ class Gateway:
             state.raise_floor(msg.resolved_below)
         if msg.seq < state.floor or msg.seq in state.verdicts:
             self.metrics.duplicates.inc(cid)
-            accepted, code = state.verdicts.get(msg.seq, (True, ""))
+            code, attempt = state.verdicts.get(msg.seq, ("", 0))
             self._ack(
                 route,
                 msg.seq,
-                accepted,
+                not code,
                 code or Reason.DUPLICATE,
                 "answered before; not applied again",
                 count=False,
+                attempt=attempt,
             )
             return
         if msg.seq >= state.floor + self.options.window or len(state.verdicts) >= self.options.window:
@@ -341,25 +365,27 @@ class Gateway:
         if not self.weighting.admit(staleness):
             for layer in msg.layers:
                 self.metrics.dropped_stale.inc(cid, layer.name, by=layer.count)
-            state.record(msg.seq, (False, Reason.STALE.value))
-            self._ack(route, msg.seq, False, Reason.STALE, f"{staleness} versions behind")
+            state.record(msg.seq, Reason.STALE.value, msg.attempt)
+            self._ack(
+                route, msg.seq, False, Reason.STALE, f"{staleness} versions behind", attempt=msg.attempt
+            )
             return
         if not msg.layers:  # nothing to add; only the verdict (and the floor) matter
-            state.record(msg.seq, (True, ""))
-            self._ack(route, msg.seq, True, None, "")
+            state.record(msg.seq, "", msg.attempt)
+            self._ack(route, msg.seq, True, None, "", attempt=msg.attempt)
             return
         scale = self.weighting.scale(staleness)
         indices = []
         count = 0
         for layer in msg.layers:
             i = self.layer_index[layer.name]  # the codec checked the name against the manifest
-            self.acc[i].add(layer.payload.to_dense(), layer.count, scale)
+            self.acc[i].add(layer.payload.to_dense(), self.weighting.share(layer.count), scale)
             self.metrics.applied.inc(cid, layer.name, by=layer.count)
             indices.append(i)
             count = max(count, layer.count)
         self.open.record(cid, indices, count, staleness, now)
-        state.record(msg.seq, (True, ""))
-        self._ack(route, msg.seq, True, None, "")
+        state.record(msg.seq, "", msg.attempt)
+        self._ack(route, msg.seq, True, None, "", attempt=msg.attempt)
 
     def _on_model_request(self, route: bytes, msg: ModelRequest) -> None:
         if msg.names:
@@ -438,12 +464,15 @@ class Gateway:
         code: Reason | str | None,
         detail: str,
         count: bool = True,
+        attempt: int = 0,
     ) -> None:
         # `count`: a repeated verdict (duplicate of a refused push) is not a second refusal.
         code_text = code.value if isinstance(code, Reason) else (code or "")
+        client = self.routes.get(route)
         if count and not accepted and code_text not in (Reason.WINDOW.value, Reason.NOT_WELCOMED.value):
-            client = self.routes.get(route, "?")
-            self.metrics.rejected.inc(client, code_text)
+            self.metrics.rejected.inc(client or "?", code_text)
+        state = self.clients.get(client) if client else None
+        verdicts = state.pending(VERDICTS_PER_ANSWER) if state is not None else ()
         self._reply(
             route,
             Ack(
@@ -453,6 +482,8 @@ class Gateway:
                 code=code_text,
                 detail=detail,
                 model_version=self.version,
+                attempt=attempt,
+                verdicts=tuple(v for v in verdicts if v[0] != seq),
             ),
         )
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from cloud.aggregation import CosineDecay, DeadlineQuorum, SuccessWeighted
+from cloud.aggregation import CosineDecay, DeadlineQuorum, LocalProgress, SuccessWeighted, Weighting
 from cloud.config import CloudConfig
 from cloud.gateway import Gateway, GatewayOptions, RoundSummary
 from common.task import Task, TaskError, load_task
@@ -39,12 +39,23 @@ def build_gateway(
     g = config.gateway
     torch.manual_seed(g.seed)
     model = task.build_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=g.lr or task.lr, momentum=g.momentum)
+    lr = g.lr or task.lr
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=g.momentum)
+    weighting: Weighting
+    if g.weighting == "progress":
+        weighting = LocalProgress(
+            edge_lr=g.edge_lr or task.lr,
+            gateway_lr=lr,
+            max_staleness=g.max_staleness,
+            discount=g.staleness_discount,
+        )
+    else:
+        weighting = SuccessWeighted(max_staleness=g.max_staleness, discount=g.staleness_discount)
     return Gateway(
         model,
         optimizer,
         GatewayOptions(bind=g.bind, credit=g.credit, window=g.window),
-        weighting=SuccessWeighted(max_staleness=g.max_staleness, discount=g.staleness_discount),
+        weighting=weighting,
         rounds=DeadlineQuorum(deadline_s=g.round_deadline_s, quorum=g.quorum),
         on_round=on_round,
         lr_factor=CosineDecay(g.lr_decay_rounds) if g.lr_decay_rounds else None,

@@ -128,4 +128,8 @@ class ElasticEdge(nn.Module):
         out = self.session.status()
         out.update(steps=self.steps, trained_from_version=self.version, models_adopted=self.models_adopted)
         out["produced_steps"] = {name: unit.produced for unit in self.cache.units for name in unit.names}
+        held = self.cache.undelivered_by_unit()
+        out["undelivered_by_layer"] = {
+            name: held[unit.index] for unit in self.cache.units for name in unit.names
+        }
         return out

@@ -38,9 +38,12 @@ class Flight:
     base_version: int
     first_sent: float
     deadline: float
+    last_sent: float = 0.0
     weak: bool = False  # missed a deadline at least once
     outstanding: bool = True  # sent, deadline not passed yet
     release: Any = None  # object with .done once the transport no longer reads `buffer`
+    attempts: int = 0  # re-sends so far (the push's `attempt` is this number when sent)
+    resend_at: float = 0.0  # when a weak flight goes again if no answer came first
 
 
 @dataclass
@@ -176,6 +179,7 @@ class GradientCache:
                 base_version=unit.pending_base,
                 first_sent=now,
                 deadline=now + timeout_s,
+                last_sent=now,
             )
             unit.flight = flight
             unit.pending = fresh
@@ -200,6 +204,11 @@ class GradientCache:
         """Step-gradients (summed over units) not yet answered by the gateway."""
         with self.lock:
             return sum(u.pending_count + (u.flight.count if u.flight else 0) for u in self.units)
+
+    def undelivered_by_unit(self) -> list[int]:
+        """Per unit, step-gradients not yet answered (each counts for every layer of its unit)."""
+        with self.lock:
+            return [u.pending_count + (u.flight.count if u.flight else 0) for u in self.units]
 
     def host_bytes(self) -> int:
         """Bytes of host memory the cache holds now (the bounded-memory guarantee)."""

@@ -156,6 +156,7 @@ def run(args: argparse.Namespace, config: EdgeConfig) -> int:
         delivered_all=delivered_all,
         undelivered_steps=status["undelivered_steps"],
         produced_steps=status["produced_steps"],
+        undelivered_by_layer=status["undelivered_by_layer"],
         delivered_steps=_by_layer(status["metrics"]["edge_delivered_steps_total"]),
         dropped_stale_steps=_by_layer(status["metrics"]["edge_dropped_stale_steps_total"]),
         cache_bytes=status["cache_bytes"],

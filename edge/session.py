@@ -6,12 +6,21 @@ pushes, one unanswered push per unit, and keeps the protocol's promises:
 
 - a push is answered within `timeout_s` (strongly synced) or it is *weak*: it
   stays in the cache and is re-sent, same sequence number and bytes, in one
-  batch as soon as the link answers again (any message from the gateway);
+  batch as soon as the link answers again (any message from the gateway), and
+  on a timer meanwhile (Lazy Pirate).  The timer adapts: each ack names which
+  copy of a push was applied, so re-sends that only ever duplicate an original
+  still in flight (a slow TCP link) back off, and re-sends that are the copy
+  that arrived (a link that loses messages) speed up;
+- every answer repeats the gateway's verdicts on all unresolved pushes of this
+  edge (a cumulative acknowledgement), so one answer through a lossy link
+  settles everything judged so far;
 - credit: no more pushes outstanding than the gateway granted, so the gateway's
   queues stay bounded and nothing is dropped at a high-water mark;
 - Paranoid Pirate: heartbeats when idle; when nothing has come back for
   `liveness` heartbeats, the socket is closed and a new one says hello again,
-  with backoff, forever (a restarted gateway is found without help);
+  with backoff, forever (a restarted gateway is found without help).  The
+  routing id is the client id, so the new connection takes over the old one at
+  the gateway and pushes continue without waiting for the welcome;
 - announced model versions (in acks, heartbeats and the welcome) are fetched
   and left for the training thread to adopt between steps.
 
@@ -24,9 +33,9 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,6 +92,8 @@ class SessionOptions:
             raise ValueError("liveness is a number of heartbeats, at least 1")
         if not self.client_id:
             raise ValueError("client_id must not be empty")
+        if len(self.client_id.encode()) > 255 or self.client_id.startswith("\x00"):
+            raise ValueError("client_id is the socket's routing id: at most 255 bytes, not starting with NUL")
 
 
 class EdgeRefused(RuntimeError):
@@ -161,7 +172,10 @@ class EdgeSession:
         self._flights: dict[int, int] = {}  # seq -> unit
         self._outstanding_n = 0  # flights sent whose deadline has not passed
         self._sock: zmq.Socket | None = None
-        self._answered = False
+        # Send time of the newest request answered since the last tick: on a FIFO link a weak
+        # push sent before it, still unanswered, was lost rather than late.
+        self._answer_covers = -math.inf
+        self._probes_sent: OrderedDict[int, float] = OrderedDict()  # heartbeat nonce -> send time
         self._last_recv = 0.0
         self._last_send = 0.0
         self._connected_at = 0.0
@@ -169,7 +183,12 @@ class EdgeSession:
         self._backoff = Backoff(options.reconnect_first_s, options.reconnect_cap_s)
         self._nonce = itertools.count(1)
         self._last_probe = 0.0
+        self._last_hello = -math.inf
         self._probe_s = min(options.heartbeat_s, options.timeout_s / 2)
+        # Lazy Pirate re-send interval for weak pushes, adapted by the acks' `attempt` echo.
+        self._resend_min_s = options.timeout_s
+        self._resend_max_s = options.heartbeat_s * options.liveness
+        self.resend_s = options.timeout_s
         start = clock()
         self.up: FaultyChannel[list[Any]] | None = None
         self.down: FaultyChannel[list[Any]] | None = None
@@ -269,6 +288,12 @@ class EdgeSession:
         times = [now + self.options.heartbeat_s]
         if self._has_weak():
             times.append(self._last_probe + self._probe_s)
+            for u in self._flights.values():
+                flight = self.cache.units[u].flight
+                if flight is not None and not flight.outstanding:
+                    times.append(flight.resend_at)
+        if self._sock is not None and not self.welcomed:
+            times.append(self._last_hello + self._probe_s)
         if self._sock is None:
             times.append(self._next_connect)
         for u in self._flights.values():
@@ -285,14 +310,16 @@ class EdgeSession:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a peer that is not there
-        sock.setsockopt(zmq.ROUTING_ID, f"{self.options.client_id}/{os.urandom(4).hex()}".encode())
+        # A stable routing id: the gateway (ROUTER_HANDOVER) hands it to the newest connection.
+        sock.setsockopt(zmq.ROUTING_ID, self.options.client_id.encode())
         apply_limits(sock, self.options.limits)
         sock.connect(self.options.gateway)
         self._sock = sock
         poller.register(sock, zmq.POLLIN)
         self._poller = poller
         self._connected_at = self._last_recv = now
-        self.welcomed = False
+        # Still welcomed after a reconnect: the gateway knows this routing id.  The hello
+        # refreshes that; a restarted gateway answers pushes with not_welcomed instead.
         self._say_hello(now)
 
     def _reconnect(self, now: float) -> None:
@@ -300,7 +327,6 @@ class EdgeSession:
         self._poller.unregister(self._sock)
         self._sock.close(linger=0)
         self._sock = None
-        self.welcomed = False
         self.metrics.reconnects.inc()
         self._next_connect = now + self._backoff.next_delay()
         for u in self._flights.values():  # whatever was outstanding is lost with the socket
@@ -317,6 +343,7 @@ class EdgeSession:
             next_seq=self.seq,
             settings=dict(self.options.settings),
         )
+        self._last_hello = now
         self._send(encode(hello), now)
 
     # ------------------------------------------------------------------- sending
@@ -354,6 +381,7 @@ class EdgeSession:
             base_version=flight.base_version,
             layers=layers,
             resolved_below=self._oldest_unanswered(),
+            attempt=flight.attempts,
         )
         result = self._send(encode(msg), now, track=True)
         self.metrics.pushes.inc()
@@ -403,8 +431,12 @@ class EdgeSession:
             flight.outstanding = value
             self._outstanding_n += 1 if value else -1
 
-    def _resend_weak(self, now: float) -> None:
-        """The link answers again: every weak push goes again, in one batch, as far as credit allows."""
+    def _resend_weak(self, now: float, sent_before: float = -math.inf) -> None:
+        """Weak pushes go again, oldest first, as far as credit allows.
+
+        Those due on the timer go, and those sent before a request the gateway has now
+        answered: the link works, and on a FIFO link their answer would have come first.
+        """
         for seq in sorted(self._flights):
             if self._outstanding() >= self.credit:
                 return
@@ -412,8 +444,13 @@ class EdgeSession:
             flight = self.cache.units[u].flight
             if flight is None or flight.outstanding:
                 continue
+            if now < flight.resend_at and flight.last_sent >= sent_before:
+                continue
             self._set_outstanding(flight, True)
+            flight.last_sent = now
             flight.deadline = now + self.options.timeout_s
+            flight.attempts += 1
+            flight.resend_at = now + self.resend_s
             for name in self.cache.units[u].names:
                 self.metrics.retransmits.inc(name)
             if not self._push(u, flight, now):
@@ -424,6 +461,8 @@ class EdgeSession:
         return len(self._flights) > self._outstanding_n
 
     def _mark_weak(self, u: int, flight: Flight) -> None:
+        if flight.outstanding:
+            flight.resend_at = flight.last_sent + self.resend_s
         self._set_outstanding(flight, False)
         if not flight.weak:
             flight.weak = True
@@ -450,15 +489,18 @@ class EdgeSession:
             log.warning("dropped a message from the gateway: %s", exc)
             return
         self._last_recv = now
-        self._answered = True
         self._backoff.reset()
         if isinstance(msg, Ack):
             self._on_ack(msg, now)
         elif isinstance(msg, Heartbeat):
+            self._covers(self._probes_sent.pop(msg.nonce, -math.inf))
             self._announce(msg.model_version)
+            self._settle(msg.verdicts, now)
         elif isinstance(msg, Welcome):
+            self._covers(now)  # a new connection: whatever was outstanding is gone
             self._on_welcome(msg, now)
         elif isinstance(msg, Model):
+            self._covers(self._model_asked_at)
             self._on_model(msg)
         elif isinstance(msg, Reject):
             self._on_reject(msg, now)
@@ -488,10 +530,36 @@ class EdgeSession:
         self.credit = msg.credit
         self._announce(msg.model_version)
         u = self._flights.get(msg.seq)
+        if u is not None:
+            flight = self.cache.units[u].flight
+            if flight is not None:
+                self._covers(flight.last_sent)
+                if flight.attempts and msg.code != Reason.NOT_WELCOMED.value:
+                    self._adapt_resend(msg.attempt)
+            self._verdict(msg.seq, msg.accepted, msg.code, msg.detail, now)
+        self._settle(msg.verdicts, now)
+
+    def _covers(self, sent_at: float) -> None:
+        self._answer_covers = max(self._answer_covers, sent_at)
+
+    def _adapt_resend(self, applied_attempt: int) -> None:
+        """A re-sent push was judged: was the applied copy a re-send (the link loses) or the original?"""
+        if applied_attempt == 0:  # the original was only late: re-sends were waste
+            self.resend_s = min(self._resend_max_s, self.resend_s * 2)
+        else:
+            self.resend_s = max(self._resend_min_s, self.resend_s / 2)
+
+    def _settle(self, verdicts: Sequence[tuple[int, str]], now: float) -> None:
+        """Verdicts repeated by the gateway (a cumulative ack): settle the pushes still waiting."""
+        for seq, code in verdicts:
+            if seq in self._flights:
+                self._verdict(seq, not code, code, "", now)
+
+    def _verdict(self, seq: int, accepted: bool, code: str, detail: str, now: float) -> None:
+        u = self._flights.get(seq)
         if u is None:
             return  # an answer to a push already answered (a duplicate or late ack)
-        code = msg.code
-        if not msg.accepted and code in (Reason.WINDOW.value, Reason.NOT_WELCOMED.value):
+        if not accepted and code in (Reason.WINDOW.value, Reason.NOT_WELCOMED.value):
             flight = self.cache.units[u].flight  # not judged: keep it and send again later
             if flight is not None:
                 self._set_outstanding(flight, False)
@@ -499,7 +567,7 @@ class EdgeSession:
                 self.welcomed = False
                 self._say_hello(now)
             return
-        del self._flights[msg.seq]
+        del self._flights[seq]
         flight = self.cache.resolve(u)
         if flight is None:
             return
@@ -507,15 +575,15 @@ class EdgeSession:
         names = self.cache.units[u].names
         for name in names:
             self.metrics.latency.observe(name, value=now - flight.first_sent)
-            if msg.accepted:
+            if accepted:
                 self.metrics.delivered.inc(name, by=flight.count)
                 (self.metrics.late if flight.weak else self.metrics.strong).inc(name)
             elif code == Reason.STALE.value:
                 self.metrics.dropped_stale.inc(name, by=flight.count)
-        if not msg.accepted:
+        if not accepted:
             self.metrics.rejected.inc(code or "unknown")
             if code != Reason.STALE.value:
-                log.error("gateway refused push %d (%s): %s", msg.seq, code, msg.detail)
+                log.error("gateway refused push %d (%s): %s", seq, code, detail)
 
     def _on_reject(self, msg: Reject, now: float) -> None:
         if msg.code == Reason.MANIFEST.value:
@@ -567,10 +635,9 @@ class EdgeSession:
             flight = self.cache.units[u].flight
             if flight is not None and flight.outstanding and now >= flight.deadline:
                 self._mark_weak(u, flight)
-        if self._answered:
-            self._answered = False
-            if self.welcomed:
-                self._resend_weak(now)
+        covers, self._answer_covers = self._answer_covers, -math.inf
+        if self.welcomed and self._has_weak():
+            self._resend_weak(now, sent_before=covers)
         self._send_wanted(now)
         if self.welcomed:
             self._ask_model(now)
@@ -579,12 +646,19 @@ class EdgeSession:
         elif self.welcomed and self._has_weak() and now - self._last_probe >= self._probe_s:
             # Weak pushes wait for the link to answer: ask it, more often than an idle heartbeat.
             self._last_probe = now
-            self._send(encode(Heartbeat(nonce=next(self._nonce))), now)
-        elif now - self._last_send >= self.options.heartbeat_s:
-            if self.welcomed:
-                self._send(encode(Heartbeat(nonce=next(self._nonce))), now)
-            else:
+            self._heartbeat(now)
+        elif not self.welcomed:
+            if now - self._last_hello >= self._probe_s:  # Lazy Pirate: ask again until answered
                 self._say_hello(now)
+        elif now - self._last_send >= self.options.heartbeat_s:
+            self._heartbeat(now)
+
+    def _heartbeat(self, now: float) -> None:
+        nonce = next(self._nonce)
+        self._probes_sent[nonce] = now
+        while len(self._probes_sent) > 256:  # answers to older probes no longer matter
+            self._probes_sent.popitem(last=False)
+        self._send(encode(Heartbeat(nonce=nonce, resolved_below=self._oldest_unanswered())), now)
 
     # ---------------------------------------------------------------------- state
     def status(self) -> dict[str, object]:

@@ -106,6 +106,25 @@ class ManifestKind(Kind):
         return value.to_wire()
 
 
+class VerdictList(Kind):
+    """Verdicts on recent pushes as [seq, code] pairs; code "" means applied."""
+
+    MAX_ITEMS = 256
+
+    def check(self, value: object, where: str) -> tuple[tuple[int, str], ...]:
+        if type(value) is not list or len(value) > self.MAX_ITEMS:
+            raise _bad(where, f"a list of at most {self.MAX_ITEMS} [seq, code] pairs", value)
+        out = []
+        for i, item in enumerate(value):
+            if type(item) is not list or len(item) != 2:
+                raise _bad(f"{where}[{i}]", "a [seq, code] pair", item)
+            out.append((UINT.check(item[0], f"{where}[{i}][0]"), CODE.check(item[1], f"{where}[{i}][1]")))
+        return tuple(out)
+
+    def to_wire(self, value: Any) -> object:
+        return [[seq, code] for seq, code in value]
+
+
 class Layers(Kind):
     """Tensor-carrying field; the codec turns it into descriptors plus frames."""
 
@@ -115,6 +134,8 @@ class Layers(Kind):
 
 UINT, BOOL = UInt(), Bool()
 ID = Str(256)
+CODE = Str(64)
+VERDICTS = VerdictList()
 GRADIENTS, PARAMETERS = Layers(with_count=True), Layers(with_count=False)
 
 
@@ -180,6 +201,9 @@ class Push(Message):
     layers: tuple[LayerGradient, ...] = wire(GRADIENTS)
     # The edge holds no unanswered push below this number: the gateway may forget them.
     resolved_below: int = wire(UINT, default=0)
+    # 0 for the first send, n for the n-th re-send; the ack echoes the copy that was applied,
+    # so the edge learns whether its re-sends deliver or only duplicate (see edge/session.py).
+    attempt: int = wire(UINT, default=0)
 
 
 @dataclass(frozen=True)
@@ -190,9 +214,13 @@ class Ack(Message):
     seq: int = wire(UINT)
     accepted: bool = wire(BOOL)
     credit: int = wire(UINT)
-    code: str = wire(Str(64), default="")
+    code: str = wire(CODE, default="")
     detail: str = wire(Str(1024), default="")
     model_version: int = wire(UINT, default=0)  # newest model the gateway has (an announcement)
+    attempt: int = wire(UINT, default=0)  # the push's attempt whose copy was applied
+    # Verdicts on this edge's other unresolved pushes: any one answer that gets through a
+    # lossy link settles everything the gateway has judged (a cumulative acknowledgement).
+    verdicts: tuple[tuple[int, str], ...] = wire(VERDICTS, default=())
 
 
 @dataclass(frozen=True)
@@ -230,6 +258,8 @@ class Heartbeat(Message):
     nonce: int = wire(UINT)
     reply: bool = wire(BOOL, default=False)
     model_version: int = wire(UINT, default=0)  # from the gateway: its newest model (an announcement)
+    resolved_below: int = wire(UINT, default=0)  # from the edge: as in Push
+    verdicts: tuple[tuple[int, str], ...] = wire(VERDICTS, default=())  # from the gateway: as in Ack
 
 
 @dataclass(frozen=True)
