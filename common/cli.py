@@ -62,7 +62,12 @@ COMMANDS: tuple[Command, ...] = (
     Command(("keys", "enrol"), "allow a device's public key on the gateway", issue=6),
     Command(("keys", "revoke"), "remove a device's public key; takes effect without a restart", issue=6),
     Command(("keys", "list"), "list enrolled devices", issue=6),
-    Command(("linksim",), "proxy that makes a link lossy, slow, bursty or down", issue=5),
+    Command(
+        ("linksim",),
+        "proxy between edges and the gateway that makes the link lossy, slow, bursty or down",
+        config="common.linksim:LinksimConfig",
+        run="common.linksim:run",
+    ),
 )
 
 _GROUP_HELP = {

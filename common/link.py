@@ -2,7 +2,8 @@
 
 `Faults` describes a bad link (loss with or without bursts, delay and jitter,
 duplication, reordering, scheduled outages); `FaultyChannel` applies it to one
-direction of a message stream, seeded so that a run can be repeated exactly.
+direction of a message stream, seeded so that a run can be repeated exactly;
+`TokenBucket` caps a link's bandwidth (used by `elasticfed linksim`).
 The edge session puts one channel on each direction of its socket, in process,
 which is how the tests and `elasticfed demo` make a loopback link lossy.
 Nothing here knows about training or about what the messages mean.
@@ -210,6 +211,38 @@ class FaultyChannel(Generic[T]):
 
     def __len__(self) -> int:
         return len(self._queue) + (self._held is not None)
+
+
+class TokenBucket:
+    """A bandwidth cap: `rate` bytes per second, at most `depth` bytes back to back.
+
+    A message larger than the depth waits for a full bucket and leaves it in debt,
+    so big messages pass at the capped average rate instead of never passing.
+    """
+
+    def __init__(self, rate: float, depth: float, now: float) -> None:
+        if rate <= 0 or depth <= 0:
+            raise ValueError(f"token bucket: rate and depth must be positive, got {rate} and {depth}")
+        self.rate = rate
+        self.depth = depth
+        self.tokens = depth
+        self.stamp = now
+
+    def _refill(self, now: float) -> None:
+        if now > self.stamp:
+            self.tokens = min(self.depth, self.tokens + (now - self.stamp) * self.rate)
+            self.stamp = now
+
+    def ready_at(self, size: int, now: float) -> float:
+        """When a message of `size` bytes may leave (now, or later)."""
+        self._refill(now)
+        need = min(float(size), self.depth)
+        return now if self.tokens >= need else now + (need - self.tokens) / self.rate
+
+    def take(self, size: int, now: float) -> None:
+        """A message of `size` bytes leaves now."""
+        self._refill(now)
+        self.tokens -= size
 
 
 @dataclass
