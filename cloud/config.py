@@ -125,6 +125,7 @@ class DemoConfig:
         "success (sum / step count) or progress (FedAvg: mean of local moves; holds up at 95%% loss)",
         choices=("success", "progress"),
     )
+    drain_s: float = setting(30.0, "at the end, how long edges may take to deliver what they hold", min=0.0)
     quorum: int = setting(2, "a round closes once this many edges contributed to every layer", min=1)
     round_deadline_s: float = setting(0.5, "or this long after its first contribution", min=0.01)
     max_staleness: int = setting(50, "contributions more versions behind than this are dropped", min=0)

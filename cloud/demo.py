@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
@@ -135,7 +136,7 @@ def _edge_argv(config: DemoConfig, i: int, endpoint: str) -> list[str]:
         "--status-every-s",
         "0.5",
         "--drain-s",
-        "30",
+        str(config.drain_s),
         "--insecure",
         "--log-level",
         "warning",
@@ -186,7 +187,26 @@ def _sum(value: Any) -> float:
     return float(value or 0)
 
 
-def run(args: argparse.Namespace, config: DemoConfig, out: TextIO = sys.stdout) -> int:
+TracePoint = tuple[float, int, float]  # (seconds since training started, rounds closed, test accuracy)
+STARTUP_LIMIT_S = 120.0  # edge processes that have not started training by then are not waited for
+
+
+def run(
+    args: argparse.Namespace | None,
+    config: DemoConfig,
+    out: TextIO = sys.stdout,
+    *,
+    trace: list[TracePoint] | None = None,
+    bind: str = "tcp://127.0.0.1:0",
+    edge_command: Callable[[int, list[str], str], list[str]] | None = None,
+    result: dict[str, Any] | None = None,
+) -> int:
+    """Run the demo; the keywords let benchmarks/convergence.py record it and place the edges.
+
+    `trace` receives a point per evaluation; `edge_command(i, argv, endpoint)` may
+    rewrite edge i's command line (e.g. to run it in a network namespace and point it
+    at another address); `result` receives the figures of the final JSON line.
+    """
     logging.basicConfig(level="WARNING", format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(1)
     task = load_task(config.task)
@@ -223,6 +243,7 @@ def run(args: argparse.Namespace, config: DemoConfig, out: TextIO = sys.stdout) 
                 else summary.staleness_mean
             )
 
+    cloud = replace(cloud, gateway=replace(cloud.gateway, bind=bind))
     gateway = build_gateway(cloud, task, on_round)
     endpoint = gateway.bind()
     stop_gateway = threading.Event()
@@ -235,12 +256,13 @@ def run(args: argparse.Namespace, config: DemoConfig, out: TextIO = sys.stdout) 
         file=out,
     )
     print("  the link is NOT encrypted: CURVE arrives with issue #6; edge logs in " + str(logs), file=out)
-    started = time.monotonic()
+    started = training = time.monotonic()
+    all_training = False  # every edge has reported a status line
     serving.start()
-    edges = [
-        _EdgeProcess(f"edge-{i}", _edge_argv(config, i, endpoint), logs / f"edge-{i}.log")
-        for i in range(config.edges)
-    ]
+    argvs = [_edge_argv(config, i, endpoint) for i in range(config.edges)]
+    if edge_command is not None:
+        argvs = [edge_command(i, argv, endpoint) for i, argv in enumerate(argvs)]
+    edges = [_EdgeProcess(f"edge-{i}", argv, logs / f"edge-{i}.log") for i, argv in enumerate(argvs)]
     progress = _Progress(out, config.rounds)
     eval_model = task.build_model()  # loaded from each new snapshot; the gateway's own model keeps moving
     accuracy = 0.0
@@ -256,14 +278,24 @@ def run(args: argparse.Namespace, config: DemoConfig, out: TextIO = sys.stdout) 
                 # Evaluate a snapshot (the gateway thread keeps stepping the live model).
                 accuracy = _evaluate(task, eval_model, test_set, gateway)
                 last_eval = current
-            progress.draw(current, accuracy, edges, stale, time.monotonic() - started)
-            if current >= config.rounds or time.monotonic() - started >= config.time_limit_s:
+                if trace is not None:
+                    trace.append((time.monotonic() - training, current, accuracy))
+            now = time.monotonic()
+            if not all_training and (all(e.status for e in edges) or now - started >= STARTUP_LIMIT_S):
+                # The clock of the budget starts when every edge trains (process start-up is
+                # not training time), so that runs compare with each other and with baselines.
+                all_training = True
+                training = now
+                if trace is not None:
+                    trace[:] = [(0.0, current, accuracy)]
+            progress.draw(current, accuracy, edges, stale, now - training)
+            if current >= config.rounds or (all_training and now - training >= config.time_limit_s):
                 break
             if all(e.proc.poll() is not None for e in edges):
                 break
     finally:
         progress.end()
-        trained_s = time.monotonic() - started
+        trained_s = time.monotonic() - training
         for e in edges:
             if e.proc.poll() is None:
                 e.proc.send_signal(signal.SIGTERM)
@@ -273,7 +305,11 @@ def run(args: argparse.Namespace, config: DemoConfig, out: TextIO = sys.stdout) 
     if gateway.open.opened_at is not None:
         gateway.close_round()  # what arrived while the edges drained is in the model too
     accuracy = task.evaluate(gateway.model, test_set)
-    return _report(out, config, gateway, edges, codes, accuracy, trained_s, time.monotonic() - started)
+    if trace is not None:
+        trace.append((time.monotonic() - training, gateway.version, accuracy))
+    return _report(
+        out, config, gateway, edges, codes, accuracy, trained_s, time.monotonic() - started, result
+    )
 
 
 def _evaluate(task: Any, model: torch.nn.Module, test_set: Any, gateway: Any) -> float:
@@ -290,6 +326,7 @@ def _report(
     accuracy: float,
     trained_s: float,
     total_s: float,
+    result: dict[str, Any] | None = None,
 ) -> int:
     status = gateway.status()
     g = totals(status)
@@ -350,28 +387,25 @@ def _report(
         f"{held_total} still held by edges",
         file=out,
     )
-    print(
-        json.dumps(
-            {
-                "accuracy": round(accuracy, 4),
-                "rounds": gateway.version,
-                "seconds": round(total_s, 1),
-                "edges": len(edges),
-                "loss": config.loss,
-                "burst": config.burst,
-                "strong_syncs": strong,
-                "weak_syncs": weak,
-                "retransmissions": resent,
-                "bytes_pushed": sent_bytes,
-                "produced_steps": produced_total,
-                "applied_steps": applied_total,
-                "dropped_stale_steps": dropped_total,
-                "held_steps": held_total,
-                "duplicates": int(g.get("gateway_duplicates_total", 0)),
-                "audit_ok": audit_ok,
-            }
-        ),
-        file=out,
-        flush=True,
-    )
+    figures = {
+        "accuracy": round(accuracy, 4),
+        "rounds": gateway.version,
+        "seconds": round(total_s, 1),
+        "edges": len(edges),
+        "loss": config.loss,
+        "burst": config.burst,
+        "strong_syncs": strong,
+        "weak_syncs": weak,
+        "retransmissions": resent,
+        "bytes_pushed": sent_bytes,
+        "produced_steps": produced_total,
+        "applied_steps": applied_total,
+        "dropped_stale_steps": dropped_total,
+        "held_steps": held_total,
+        "duplicates": int(g.get("gateway_duplicates_total", 0)),
+        "audit_ok": audit_ok,
+    }
+    if result is not None:
+        result.update(figures)
+    print(json.dumps(figures), file=out, flush=True)
     return 0 if audit_ok and all(c == 0 for c in codes) else 1

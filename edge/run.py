@@ -130,6 +130,7 @@ def run(args: argparse.Namespace, config: EdgeConfig) -> int:
                         "status",
                         client=client_id,
                         t=round(now - started, 3),
+                        link_t=status["link_t"],
                         steps=agent.steps,
                         loss=float(loss.detach()),
                         version=agent.version,

@@ -17,10 +17,13 @@ pushes, one unanswered push per unit, and keeps the protocol's promises:
 - credit: no more pushes outstanding than the gateway granted, so the gateway's
   queues stay bounded and nothing is dropped at a high-water mark;
 - Paranoid Pirate: heartbeats when idle; when nothing has come back for
-  `liveness` heartbeats, the socket is closed and a new one says hello again,
-  with backoff, forever (a restarted gateway is found without help).  The
-  routing id is the client id, so the new connection takes over the old one at
-  the gateway and pushes continue without waiting for the welcome;
+  `liveness` heartbeats, the socket is replaced at once by a new one that says
+  hello again, forever (a restarted gateway is found without help).  Backoff
+  lengthens the silence tolerated before the next replacement rather than
+  leaving the edge without a socket: on a link that loses 95% of messages an
+  answer is rare but not absent, and a socket-less pause would only lose more.
+  The routing id is the client id, so the new connection takes over the old
+  one at the gateway and pushes continue without waiting for the welcome;
 - announced model versions (in acks, heartbeats and the welcome) are fetched
   and left for the training thread to adopt between steps.
 
@@ -181,6 +184,7 @@ class EdgeSession:
         self._connected_at = 0.0
         self._next_connect = 0.0
         self._backoff = Backoff(options.reconnect_first_s, options.reconnect_cap_s)
+        self._grace = 0.0  # extra silence tolerated after replacements without an answer (backoff)
         self._nonce = itertools.count(1)
         self._last_probe = 0.0
         self._last_hello = -math.inf
@@ -190,6 +194,7 @@ class EdgeSession:
         self._resend_max_s = options.heartbeat_s * options.liveness
         self.resend_s = options.timeout_s
         start = clock()
+        self.started = start  # the fault channels' clock (outage windows count from here)
         self.up: FaultyChannel[list[Any]] | None = None
         self.down: FaultyChannel[list[Any]] | None = None
         if options.faults.active:
@@ -324,16 +329,18 @@ class EdgeSession:
 
     def _reconnect(self, now: float) -> None:
         assert self._sock is not None
+        silent = now - self._last_recv
         self._poller.unregister(self._sock)
         self._sock.close(linger=0)
         self._sock = None
         self.metrics.reconnects.inc()
-        self._next_connect = now + self._backoff.next_delay()
+        self._grace = self._backoff.next_delay()
         for u in self._flights.values():  # whatever was outstanding is lost with the socket
             flight = self.cache.units[u].flight
             if flight is not None and flight.outstanding:
                 self._mark_weak(u, flight)
-        log.info("no answer from %s for %.1f s: reconnecting", self.options.gateway, now - self._last_recv)
+        log.info("no answer from %s for %.1f s: reconnecting", self.options.gateway, silent)
+        self._connect(self._poller, now)
 
     def _say_hello(self, now: float) -> None:
         hello = Hello(
@@ -490,6 +497,7 @@ class EdgeSession:
             return
         self._last_recv = now
         self._backoff.reset()
+        self._grace = 0.0
         if isinstance(msg, Ack):
             self._on_ack(msg, now)
         elif isinstance(msg, Heartbeat):
@@ -641,7 +649,7 @@ class EdgeSession:
         self._send_wanted(now)
         if self.welcomed:
             self._ask_model(now)
-        if now - self._last_recv > self.options.heartbeat_s * self.options.liveness:
+        if now - self._last_recv > self.options.heartbeat_s * self.options.liveness + self._grace:
             self._reconnect(now)
         elif self.welcomed and self._has_weak() and now - self._last_probe >= self._probe_s:
             # Weak pushes wait for the link to answer: ask it, more often than an idle heartbeat.
@@ -666,6 +674,7 @@ class EdgeSession:
         out: dict[str, object] = {
             "client_id": self.options.client_id,
             "welcomed": self.welcomed,
+            "link_t": round(self.clock() - self.started, 3),
             "model_version": self.have_version,
             "undelivered_steps": self.cache.undelivered(),
             "cache_bytes": self.cache.host_bytes(),

@@ -10,7 +10,14 @@ import torch
 import zmq
 from torch import nn
 
-from cloud.aggregation import CosineDecay, DeadlineQuorum, LayerAccumulator, OpenRound, SuccessWeighted
+from cloud.aggregation import (
+    CosineDecay,
+    DeadlineQuorum,
+    LayerAccumulator,
+    LocalProgress,
+    OpenRound,
+    SuccessWeighted,
+)
 from cloud.gateway import Gateway, GatewayOptions
 from protocol import (
     Ack,
@@ -268,3 +275,86 @@ def test_cosine_decay_goes_from_full_to_floor_and_stays() -> None:
     assert decay(51) == pytest.approx(0.525)
     assert decay(101) == pytest.approx(0.05) and decay(1000) == pytest.approx(0.05)
     assert all(decay(r) >= decay(r + 1) for r in range(1, 120))
+
+
+def test_every_answer_repeats_the_verdicts_the_edge_may_not_have_heard(gateway: Gateway) -> None:
+    # A cumulative acknowledgement: over a lossy link one answer that gets through settles all.
+    peer = Peer(gateway, "a")
+    peer.hello(gateway.manifest)
+    assert peer.push(1, grads_for(gateway, 1.0)).verdicts == ()
+    ack2 = peer.push(2, grads_for(gateway, 1.0))
+    assert ack2.verdicts == ((1, ""),)
+    gateway.close_round()
+    gateway.close_round()
+    stale = peer.push(3, grads_for(gateway, 1.0), base=0)  # 2 versions behind: dropped
+    assert stale.code == Reason.STALE.value and stale.verdicts == ((1, ""), (2, ""))
+    peer.send(Heartbeat(nonce=1))
+    beat = peer.recv()
+    assert isinstance(beat, Heartbeat) and beat.verdicts == ((1, ""), (2, ""), (3, "stale"))
+    # The edge says it has heard everything below 3: only the newest verdict is repeated.
+    peer.send(Heartbeat(nonce=2, resolved_below=3))
+    beat = peer.recv()
+    assert isinstance(beat, Heartbeat) and beat.verdicts == ((3, "stale"),)
+
+
+def test_the_ack_of_a_resend_names_the_copy_that_was_applied(gateway: Gateway) -> None:
+    peer = Peer(gateway, "a")
+    peer.hello(gateway.manifest)
+    layers = tuple(LayerGradient(n, Dense(g), 1) for n, g in grads_for(gateway, 1.0).items())
+    peer.send(Push(seq=1, base_version=0, layers=layers, attempt=2))  # the 2nd re-send arrived first
+    first = peer.recv()
+    peer.send(Push(seq=1, base_version=0, layers=layers, attempt=0))  # the original, late
+    late = peer.recv()
+    assert isinstance(first, Ack) and first.accepted and first.attempt == 2
+    assert isinstance(late, Ack) and late.code == Reason.DUPLICATE.value and late.attempt == 2
+    assert gateway.acc[0].count == 1
+
+
+def test_a_reconnected_edge_keeps_its_welcome_with_the_same_routing_id(gateway: Gateway) -> None:
+    ctx = zmq.Context.instance()
+    old = Peer(gateway, "a")
+    old.sock.close(linger=0)
+    old.sock = ctx.socket(zmq.DEALER)
+    old.sock.setsockopt(zmq.ROUTING_ID, b"a")
+    old.sock.setsockopt(zmq.LINGER, 0)
+    old.sock.connect(gateway.bound_endpoint)
+    old.hello(gateway.manifest)
+    new = Peer(gateway, "a")
+    new.sock.close(linger=0)
+    new.sock = ctx.socket(zmq.DEALER)
+    new.sock.setsockopt(zmq.ROUTING_ID, b"a")  # same id: ROUTER_HANDOVER gives it the route
+    new.sock.setsockopt(zmq.LINGER, 0)
+    new.sock.connect(gateway.bound_endpoint)
+    ack = new.push(1, grads_for(gateway, 1.0))
+    assert ack.accepted, ack  # no second hello needed
+    old.sock.close(linger=0)
+
+
+def test_local_progress_is_the_mean_of_the_edges_moves() -> None:
+    model = make_model()
+    gw = Gateway(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.5),
+        GatewayOptions(bind="tcp://127.0.0.1:0"),
+        weighting=LocalProgress(edge_lr=0.1, gateway_lr=0.5, max_staleness=4),
+        rounds=DeadlineQuorum(deadline_s=60.0, quorum=2),
+    )
+    gw.bind()
+    try:
+        a, b = Peer(gw, "a"), Peer(gw, "b")
+        a.hello(gw.manifest)
+        b.hello(gw.manifest)
+        w0 = [p.detach().clone() for p in gw.params]
+        sa = {n: torch.randn_like(p) for n, p in zip(gw.names, gw.params)}
+        sb = {n: torch.randn_like(p) for n, p in zip(gw.names, gw.params)}
+        assert a.push(1, sa, count=10).accepted  # a's model moved by -0.1 * sa over 10 local steps
+        assert b.push(1, sb, count=2).accepted
+        gw.poll_once(0.0)
+        assert gw.version == 1
+        for p, w, n in zip(gw.params, w0, gw.names):
+            # FedAvg: the mean of the moves, whatever the step counts.
+            torch.testing.assert_close(p.detach(), w - 0.1 * (sa[n] + sb[n]) / 2, rtol=0, atol=1e-6)
+    finally:
+        gw.close()
+    with pytest.raises(ValueError, match="learning rates must be > 0"):
+        LocalProgress(edge_lr=0.0, gateway_lr=0.5)

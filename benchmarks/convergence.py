@@ -1,0 +1,285 @@
+"""Convergence under loss: digits, 4 edges, the same budget for every link, against synchronous FedAvg.
+
+Each run is `elasticfed demo` (the gateway in this process, 4 edge processes,
+IID shards) with a fixed budget of wall time and rounds, recording the test
+accuracy of the gateway's model against time:
+
+- message loss 0/30/60/95% (each direction, independent per message unless
+  `--burst`), injected in process by the edges' fault channel: fast, exact;
+- packet loss 0/10/30% in the kernel: each edge in its own network namespace,
+  nftables dropping that share of its packets both ways (tests/netns.py), TCP
+  doing what TCP does.  Needs root, `ip`, `nft` and `tc`; otherwise skipped and
+  the JSON says why.
+
+The reference, in the same run: synchronous FedAvg on the same model, data and
+shards: every round all 4 clients train one local epoch from the global model
+and the server averages the models, waiting for all.  Its clock counts the
+slowest client of each round (clients in parallel, communication free): a
+lower bound on its time on any real link, where every lost message would stall
+the whole round.
+
+Writes `convergence.csv` (one row per evaluation: run, seconds, rounds,
+accuracy) and `convergence.png` (accuracy against time, one line per run) to
+`--out-dir`.  Last line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as `python benchmarks/convergence.py` from a checkout
+    sys.path.insert(0, str(REPO))
+
+from cloud import demo  # noqa: E402
+from cloud.config import DemoConfig  # noqa: E402
+from common.task import Task, load_task, shard  # noqa: E402
+
+TASK = "common.tasks.digits:task"
+TracePoint = tuple[float, int, float]
+
+
+def run_fleet(
+    name: str, config: DemoConfig, lab: Any = None, packet_loss: int = 0
+) -> tuple[list[TracePoint], dict[str, Any]]:
+    """One demo run; with `lab`, every edge in its own namespace losing `packet_loss`% of packets."""
+    trace: list[TracePoint] = []
+    figures: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {}
+    nets = []
+    if lab is not None:
+        nets = [lab.add_edge() for _ in range(config.edges)]
+        for net in nets:
+            net.set_loss(packet_loss, packet_loss)
+
+        def edge_command(i: int, argv: list[str], endpoint: str) -> list[str]:
+            port = endpoint.rsplit(":", 1)[1]
+            argv = [a if a != endpoint else f"tcp://{lab.gateway_address}:{port}" for a in argv]
+            return nets[i].argv(argv)
+
+        kwargs = {"bind": "tcp://0.0.0.0:0", "edge_command": edge_command}
+    log = io.StringIO()
+    started = time.monotonic()
+    try:
+        demo.run(None, config, out=log, trace=trace, result=figures, **kwargs)
+    finally:
+        for net in nets:
+            net.close()
+    figures["wall_s"] = round(time.monotonic() - started, 1)
+    last = log.getvalue().strip().splitlines()[-3:]
+    print(
+        f"  {name}: accuracy {figures.get('accuracy')} after {figures.get('rounds')} rounds; "
+        + last[0].strip()
+    )
+    return trace, figures
+
+
+def fedavg(task: Task, clients: int, time_s: float, rounds: int, seed: int) -> list[TracePoint]:
+    """Synchronous FedAvg: all clients, one local epoch each, wait for all, average the models."""
+    torch.manual_seed(seed)
+    global_model = task.build_model()
+    data = task.train_set()
+    test = task.test_set()
+    loaders = [
+        DataLoader(
+            shard(data, i, clients, "iid", seed=seed),
+            batch_size=task.batch_size,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(seed + 17 + i),
+        )
+        for i in range(clients)
+    ]
+    local = task.build_model()
+    clock = 0.0
+    trace: list[TracePoint] = [(0.0, 0, task.evaluate(global_model, test))]
+    for r in range(1, rounds + 1):
+        states = []
+        slowest = 0.0
+        for loader in loaders:
+            t0 = time.perf_counter()
+            local.load_state_dict(global_model.state_dict())
+            opt = torch.optim.SGD(local.parameters(), lr=task.lr, momentum=task.momentum)
+            for x, y in loader:
+                loss = task.loss(local(x), y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+            states.append({k: v.detach().clone() for k, v in local.state_dict().items()})
+            slowest = max(slowest, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        averaged = {
+            k: torch.stack([s[k].float() for s in states]).mean(0).to(states[0][k].dtype) for k in states[0]
+        }
+        global_model.load_state_dict(averaged)
+        clock += slowest + time.perf_counter() - t0
+        trace.append((clock, r, task.evaluate(global_model, test)))
+        if clock >= time_s:
+            break
+    return trace
+
+
+def time_to(trace: list[TracePoint], target: float) -> float | None:
+    return next((round(t, 1) for t, _, acc in trace if acc >= target), None)
+
+
+def plot(traces: dict[str, list[TracePoint]], path: Path, title: str) -> str | None:
+    """Accuracy against time, one line per run; None (and why on stderr) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("convergence: matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
+        return None
+    fig, ax = plt.subplots(figsize=(9, 5.5), dpi=110)
+    for name, trace in traces.items():
+        style = "k--" if name == "fedavg" else "-"
+        ax.plot([t for t, _, _ in trace], [acc * 100 for _, _, acc in trace], style, label=name, lw=1.6)
+    ax.axhline(90, color="grey", lw=0.6, ls=":")
+    ax.axhline(95, color="grey", lw=0.6, ls=":")
+    ax.set_xlabel("seconds since training started")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_ylim(0, 100)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return str(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--time-s", type=float, default=60.0, help="training budget of every run")
+    parser.add_argument("--rounds", type=int, default=500, help="round budget of every run")
+    parser.add_argument("--losses", default="0,30,60,95", help="message loss rates, percent")
+    parser.add_argument(
+        "--packet-losses", default="0,10,30", help="kernel packet loss rates, percent ('': none)"
+    )
+    parser.add_argument(
+        "--burst", type=float, default=1.0, help="mean loss burst in messages (1: independent)"
+    )
+    parser.add_argument("--weighting", default="progress", choices=("progress", "success"))
+    parser.add_argument("--timeout-ms", type=int, default=100)
+    parser.add_argument("--drain-s", type=float, default=5.0, help="time edges get to deliver at the end")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out-dir", default=str(REPO / "benchmarks" / "out"))
+    args = parser.parse_args()
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    task = load_task(TASK)
+    base = DemoConfig(
+        edges=4,
+        rounds=args.rounds,
+        time_limit_s=args.time_s,
+        burst=args.burst,
+        delay_ms=0.0,
+        jitter_ms=0.0,
+        timeout_ms=args.timeout_ms,
+        weighting=args.weighting,
+        drain_s=args.drain_s,
+        seed=args.seed,
+        task=TASK,
+    )
+    traces: dict[str, list[TracePoint]] = {}
+    runs: dict[str, dict[str, Any]] = {}
+    print(f"convergence: {args.time_s:.0f} s / {args.rounds} rounds per run, weighting {args.weighting}")
+
+    t0 = time.monotonic()
+    traces["fedavg"] = fedavg(task, base.edges, args.time_s, args.rounds, args.seed)
+    print(f"  fedavg: accuracy {traces['fedavg'][-1][2]:.4f} after {traces['fedavg'][-1][1]} rounds")
+
+    message_losses = [int(v) for v in args.losses.split(",") if v.strip()]
+    for pct in message_losses:
+        name = f"message loss {pct}%"
+        traces[name], runs[name] = run_fleet(name, _with_loss(base, pct / 100))
+
+    packet = {int(v) for v in args.packet_losses.split(",") if v.strip()}
+    packet_skipped = None
+    if packet:
+        try:
+            sys.path.insert(0, str(REPO / "tests"))
+            from netns import Lab, Unavailable  # tests/netns.py: the real-loss harness
+        except ImportError as exc:
+            packet_skipped = f"tests/netns.py cannot be imported: {exc}"
+        else:
+            try:
+                lab = Lab.create()
+            except Unavailable as exc:
+                packet_skipped = str(exc)
+            else:
+                try:
+                    for pct in sorted(packet):
+                        name = f"packet loss {pct}%"
+                        traces[name], runs[name] = run_fleet(name, _with_loss(base, 0.0), lab, pct)
+                finally:
+                    lab.close()
+        if packet_skipped:
+            print(f"  packet loss runs skipped: {packet_skipped}")
+
+    csv_path = out_dir / "convergence.csv"
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["run", "seconds", "rounds", "accuracy"])
+        for name, trace in traces.items():
+            for t, r, acc in trace:
+                writer.writerow([name, f"{t:.2f}", r, f"{acc:.4f}"])
+    title = f"digits, 4 edges, {args.weighting} weighting; FedAvg: clients in parallel, free links"
+    png = plot(traces, out_dir / "convergence.png", title)
+
+    def final(name: str) -> float:
+        return round(traces[name][-1][2], 4)
+
+    result = {
+        "final_acc": {str(p): final(f"message loss {p}%") for p in message_losses},
+        "time_to_90_s": {str(p): time_to(traces[f"message loss {p}%"], 0.90) for p in message_losses},
+        "time_to_95_s": {str(p): time_to(traces[f"message loss {p}%"], 0.95) for p in message_losses},
+        "rounds": {str(p): runs[f"message loss {p}%"].get("rounds") for p in message_losses},
+        "audit_ok": {str(p): runs[f"message loss {p}%"].get("audit_ok") for p in message_losses},
+        "packet_final_acc": {
+            str(p): final(f"packet loss {p}%") for p in sorted(packet) if f"packet loss {p}%" in traces
+        },
+        "packet_time_to_90_s": {
+            str(p): time_to(traces[f"packet loss {p}%"], 0.90)
+            for p in sorted(packet)
+            if f"packet loss {p}%" in traces
+        },
+        "packet_audit_ok": {
+            str(p): runs[f"packet loss {p}%"].get("audit_ok")
+            for p in sorted(packet)
+            if f"packet loss {p}%" in runs
+        },
+        "packet_skipped": packet_skipped,
+        "fedavg_final_acc": final("fedavg"),
+        "fedavg_time_to_90_s": time_to(traces["fedavg"], 0.90),
+        "fedavg_time_to_95_s": time_to(traces["fedavg"], 0.95),
+        "budget_s": args.time_s,
+        "weighting": args.weighting,
+        "burst": args.burst,
+        "csv": str(csv_path),
+        "plot": png,
+        "seconds": round(time.monotonic() - t0, 1),
+    }
+    print(json.dumps(result))
+
+
+def _with_loss(config: DemoConfig, loss: float) -> DemoConfig:
+    from dataclasses import replace
+
+    return replace(config, loss=loss)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""The Elastic Sync Protocol where links are worst: re-send timing that adapts, and 95% message loss.
+
+An edge cannot tell a lost push from a late one, so it re-sends on a timer
+(Lazy Pirate) and the gateway's acks name which copy was applied.  On a link
+that only delays, re-sends are pure duplicates and must back off; on a link
+that loses, they are what gets through and must stay fast.  The edge here runs
+in this process (its I/O thread is real, its socket real), the gateway in a thread.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from fleet import applied_by_layer, gateway_thread
+from torch.utils.data import DataLoader
+
+from common.link import Faults
+from common.task import load_task, shard
+from edge.agent import ElasticEdge
+from edge.session import SessionOptions
+
+TASK = load_task("common.tasks.digits:task")
+
+
+def train(endpoint: str, faults: str, seconds: float, timeout_s: float = 0.1) -> tuple[ElasticEdge, bool]:
+    """Train on a quarter of digits for `seconds`, then drain; the agent, and whether all was delivered."""
+    torch.manual_seed(0)
+    agent = ElasticEdge(
+        TASK.build_model(),
+        SessionOptions(
+            gateway=endpoint,
+            client_id="e0",
+            timeout_s=timeout_s,
+            heartbeat_s=0.5,
+            faults=Faults.parse(faults),
+        ),
+    )
+    opt = torch.optim.SGD(agent.parameters(), lr=0.01)
+    loader = DataLoader(shard(TASK.train_set(), 0, 4), batch_size=32, shuffle=True)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for x, y in loader:
+            loss = TASK.loss(agent(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if time.monotonic() >= end:
+                break
+    return agent, agent.close(drain_s=60.0)
+
+
+def exactly_once(gateway_status: dict, agent: ElasticEdge) -> None:
+    produced = agent.status()["produced_steps"]
+    applied = applied_by_layer(gateway_status, "e0", "gateway_applied_steps_total")
+    dropped = applied_by_layer(gateway_status, "e0", "gateway_dropped_stale_steps_total")
+    for layer, n in produced.items():
+        assert applied.get(layer, 0) + dropped.get(layer, 0) == n, layer
+
+
+@pytest.mark.slow
+def test_resends_back_off_on_a_link_that_only_delays() -> None:
+    # 250 ms each way against a 100 ms deadline: every push is weak, none is lost.
+    with gateway_thread(quorum=1, round_deadline_s=0.2, max_staleness=1000) as gateway:
+        agent, delivered = train(gateway.bound_endpoint, "delay_ms=250", seconds=6.0)
+        status = gateway.status()
+    session = agent.session
+    assert delivered
+    exactly_once(status, agent)
+    weak = session.metrics.weak.total()  # layer pushes that missed the deadline: all of them
+    resent = session.metrics.retransmits.total()  # layer pushes sent again
+    # Each ack said the original was applied: the interval doubled towards its cap ...
+    assert session.resend_s >= 8 * session.options.timeout_s, session.resend_s
+    # ... so under one re-send per push on average; a fixed 100 ms timer sends each ~4 more times.
+    assert resent <= weak, (resent, weak)
+
+
+@pytest.mark.slow
+def test_resends_stay_fast_where_the_link_loses_messages() -> None:
+    with gateway_thread(quorum=1, round_deadline_s=0.2, max_staleness=1000) as gateway:
+        agent, delivered = train(gateway.bound_endpoint, "loss=0.5,seed=3", seconds=6.0)
+        status = gateway.status()
+    session = agent.session
+    assert delivered
+    exactly_once(status, agent)
+    assert session.metrics.retransmits.total() > 0
+    # Re-sends were the copies that arrived: the interval stays near the deadline.
+    assert session.resend_s <= 2 * session.options.timeout_s, session.resend_s
+
+
+@pytest.mark.slow
+def test_at_95_percent_loss_each_way_everything_still_arrives_exactly_once() -> None:
+    # One round trip in 400 gets through.  Cumulative verdicts in every answer and timed
+    # re-sends are what make this finish at all; the count audit must still be exact.
+    with gateway_thread(quorum=1, round_deadline_s=0.2, max_staleness=1_000_000) as gateway:
+        agent, delivered = train(gateway.bound_endpoint, "loss=0.95,seed=5", seconds=5.0, timeout_s=0.05)
+        status = gateway.status()
+    assert delivered, agent.status()["undelivered_steps"]
+    exactly_once(status, agent)
+    link = agent.status()
+    assert link["link_up"]["lost"] > 0.9 * link["link_up"]["offered"]  # the loss was real
