@@ -6,11 +6,17 @@ pushes, one unanswered push per unit, and keeps the protocol's promises:
 
 - a push is answered within `timeout_s` (strongly synced) or it is *weak*: it
   stays in the cache and is re-sent, same sequence number and bytes, in one
-  batch as soon as the link answers again (any message from the gateway), and
-  on a timer meanwhile (Lazy Pirate).  The timer adapts: each ack names which
-  copy of a push was applied, so re-sends that only ever duplicate an original
-  still in flight (a slow TCP link) back off, and re-sends that are the copy
-  that arrived (a link that loses messages) speed up;
+  batch as soon as the gateway answers a request sent after it (on an in-order
+  link its own answer would have come first: it was lost), or the connection is
+  replaced.  A live TCP connection never loses a message, so that is all a TCP
+  link needs; re-sending on a timer there only queues copies behind the
+  original (at 1 Mbit/s, seconds of them).  Links that do lose messages on a
+  live connection (a message proxy, the in-process fault channel) show it: an
+  ack names which copy of a push was applied (`attempt`, counted per
+  connection), and a re-sent copy applied where its original on the same
+  connection was not is proof.  From then on weak pushes are also re-sent on a
+  timer (Lazy Pirate), whose interval halves on more proof and doubles when the
+  original turns out to have arrived first;
 - every answer repeats the gateway's verdicts on all unresolved pushes of this
   edge (a cumulative acknowledgement), so one answer through a lossy link
   settles everything judged so far;
@@ -171,7 +177,9 @@ class EdgeSession:
         self.welcomed = False
         self.gateway_id = ""
         self.announced = model_version
-        self._model_asked_at = -1.0
+        self._model_asked_at = -1.0  # newest model request not answered yet (-1: none)
+        self._model_first_ask = -1.0  # oldest one: an answer covers at least that request
+        self._model_wait_s = options.timeout_s  # before asking again; doubles while unanswered
         self._flights: dict[int, int] = {}  # seq -> unit
         self._outstanding_n = 0  # flights sent whose deadline has not passed
         self._sock: zmq.Socket | None = None
@@ -193,6 +201,9 @@ class EdgeSession:
         self._resend_min_s = options.timeout_s
         self._resend_max_s = options.heartbeat_s * options.liveness
         self.resend_s = options.timeout_s
+        # Whether the link loses messages on a live connection (see the module docstring);
+        # known from the start when the faults are injected here.
+        self.loses_messages = options.faults.loss > 0 or bool(options.faults.outages)
         start = clock()
         self.started = start  # the fault channels' clock (outage windows count from here)
         self.up: FaultyChannel[list[Any]] | None = None
@@ -337,8 +348,12 @@ class EdgeSession:
         self._grace = self._backoff.next_delay()
         for u in self._flights.values():  # whatever was outstanding is lost with the socket
             flight = self.cache.units[u].flight
-            if flight is not None and flight.outstanding:
-                self._mark_weak(u, flight)
+            if flight is not None:
+                if flight.outstanding:
+                    self._mark_weak(u, flight)
+                flight.attempts = 0  # copies are counted per connection (see _adapt_resend)
+        self._covers(now)  # what went out on the old socket is answered there or not at all
+        self._model_asked_at = self._model_first_ask = -1.0  # ask again on the new connection
         log.info("no answer from %s for %.1f s: reconnecting", self.options.gateway, silent)
         self._connect(self._poller, now)
 
@@ -366,11 +381,16 @@ class EdgeSession:
     def _raw_send(self, frames: list[Any], track: bool) -> Any:
         if self._sock is None:
             return False
+        if track:
+            # Every frame zero-copy and tracked: send_multipart's own tracker covers only the
+            # last frame, and a frame under zmq's copy threshold reports done at once, while a
+            # larger one before it may still be queued, reading the cache's buffer.
+            frames = [zmq.Frame(f, copy=False, track=True) for f in frames]
         try:
-            tracker = self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False, track=track)
+            self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return False  # no connected peer or at the high-water mark: treated as lost
-        return tracker if track else None
+        return zmq.MessageTracker(*frames) if track else None
 
     def _flush_up(self, now: float) -> None:
         if self.up is not None:
@@ -451,7 +471,8 @@ class EdgeSession:
             flight = self.cache.units[u].flight
             if flight is None or flight.outstanding:
                 continue
-            if now < flight.resend_at and flight.last_sent >= sent_before:
+            timer_due = self.loses_messages and now >= flight.resend_at
+            if not timer_due and flight.last_sent >= sent_before:
                 continue
             self._set_outstanding(flight, True)
             flight.last_sent = now
@@ -505,10 +526,9 @@ class EdgeSession:
             self._announce(msg.model_version)
             self._settle(msg.verdicts, now)
         elif isinstance(msg, Welcome):
-            self._covers(now)  # a new connection: whatever was outstanding is gone
             self._on_welcome(msg, now)
         elif isinstance(msg, Model):
-            self._covers(self._model_asked_at)
+            self._covers(self._model_first_ask)
             self._on_model(msg)
         elif isinstance(msg, Reject):
             self._on_reject(msg, now)
@@ -518,21 +538,29 @@ class EdgeSession:
     def _on_welcome(self, msg: Welcome, now: float) -> None:
         if msg.manifest_digest != self.manifest.digest:
             raise EdgeRefused("the gateway welcomed a different model (manifest digest differs)")
-        restarted = bool(self.gateway_id) and msg.gateway_id != self.gateway_id
+        # Hellos are repeated until answered, so welcomes may come in several; only one from a
+        # gateway instance we have not seen changes anything beyond the settings.
+        new_instance = msg.gateway_id != self.gateway_id
+        restarted = new_instance and bool(self.gateway_id)
         self.gateway_id = msg.gateway_id
         self.welcomed = True
         self.credit = _int_setting(msg.settings, "credit", 8)
         self.window = _int_setting(msg.settings, "window", 1024)
         if restarted:
             log.info("gateway %s is a new instance: re-sending every unanswered push", msg.gateway_id)
-        for u in self._flights.values():  # a new connection: nothing is outstanding any more
-            flight = self.cache.units[u].flight
-            if flight is not None and flight.outstanding:
-                self._mark_weak(u, flight)
-        if msg.model_version != self.have_version:
+            self._covers(now)  # it holds nothing we sent its predecessor
+            for u in self._flights.values():
+                flight = self.cache.units[u].flight
+                if flight is not None:
+                    if flight.outstanding:
+                        self._mark_weak(u, flight)
+                    flight.attempts = 0
+        if new_instance and msg.model_version != self.have_version:
             # A restarted gateway may be behind us: its model is the one that counts.
             self.announced = msg.model_version
             self._ask_model(now, force=True)
+        else:
+            self._announce(msg.model_version)
 
     def _on_ack(self, msg: Ack, now: float) -> None:
         self.credit = msg.credit
@@ -554,7 +582,10 @@ class EdgeSession:
         """A re-sent push was judged: was the applied copy a re-send (the link loses) or the original?"""
         if applied_attempt == 0:  # the original was only late: re-sends were waste
             self.resend_s = min(self._resend_max_s, self.resend_s * 2)
-        else:
+        else:  # the original, on this same connection, never arrived
+            if not self.loses_messages:
+                log.info("this link loses messages on a live connection: re-sending weak pushes on a timer")
+            self.loses_messages = True
             self.resend_s = max(self._resend_min_s, self.resend_s / 2)
 
     def _settle(self, verdicts: Sequence[tuple[int, str]], now: float) -> None:
@@ -571,6 +602,8 @@ class EdgeSession:
             flight = self.cache.units[u].flight  # not judged: keep it and send again later
             if flight is not None:
                 self._set_outstanding(flight, False)
+                if code == Reason.NOT_WELCOMED.value:
+                    flight.attempts = 0  # a new gateway: the copies it refused do not count
             if code == Reason.NOT_WELCOMED.value:
                 self.welcomed = False
                 self._say_hello(now)
@@ -612,14 +645,23 @@ class EdgeSession:
         want = force or self.announced > self.have_version
         if not want or not self.welcomed:
             return
-        if self._model_asked_at >= 0 and now - self._model_asked_at < self.options.timeout_s and not force:
-            return
+        if self._model_asked_at >= 0 and not force:
+            # On a slow link a model takes longer to come down than the deadline: asking
+            # again at once would queue copies of it.  Wait longer each time (or, where the
+            # link loses messages, as long as a weak push waits).
+            wait = self.resend_s if self.loses_messages else self._model_wait_s
+            if now - self._model_asked_at < wait:
+                return
+            self._model_wait_s = min(self._resend_max_s, self._model_wait_s * 2)
+        if self._model_first_ask < 0:
+            self._model_first_ask = now
         self._model_asked_at = now
         have = 0 if force else self.have_version
         self._send(encode(ModelRequest(have_version=have)), now)
 
     def _on_model(self, msg: Model) -> None:
-        self._model_asked_at = -1.0
+        self._model_asked_at = self._model_first_ask = -1.0
+        self._model_wait_s = self.options.timeout_s
         if not msg.full:
             log.warning("partial model %d ignored: this edge asks for whole models", msg.version)
             return

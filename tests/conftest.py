@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from netns import netns_lab, netns_swept  # noqa: F401  (fixtures for tests/test_real_loss.py)
 
 from protocol import Manifest, Message
 from protocol.payload import Dense, LowRank, TopK
