@@ -29,6 +29,7 @@ import argparse
 import csv
 import io
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -46,6 +47,7 @@ from cloud.config import DemoConfig  # noqa: E402
 from common.task import Task, load_task, shard  # noqa: E402
 
 TASK = "common.tasks.digits:task"
+LOOPBACK_RTT_S = 0.001  # what a successful exchange costs FedAvg on the simulated lossy link
 TracePoint = tuple[float, int, float]
 
 
@@ -84,8 +86,30 @@ def run_fleet(
     return trace, figures
 
 
-def fedavg(task: Task, clients: int, time_s: float, rounds: int, seed: int) -> list[TracePoint]:
-    """Synchronous FedAvg: all clients, one local epoch each, wait for all, average the models."""
+def transfer_s(rng: random.Random, loss: float, timeout_s: float) -> float:
+    """One request/response over a link losing `loss` of messages each way, retried on timeout."""
+    spent = 0.0
+    while rng.random() < loss or rng.random() < loss:  # the request or its answer was lost
+        spent += timeout_s
+    return spent + LOOPBACK_RTT_S
+
+
+def fedavg(
+    task: Task,
+    clients: int,
+    time_s: float,
+    rounds: int,
+    seed: int,
+    message_loss: float = 0.0,
+    timeout_s: float = 0.1,
+) -> list[TracePoint]:
+    """Synchronous FedAvg: all clients, one local epoch each, wait for all, average the models.
+
+    Compute is measured; with `message_loss`, each client's model download and upload is a
+    request/response retried every `timeout_s` (the edges' deadline), its time drawn
+    from the same per-message loss (independent, each way) as the edges' links.
+    """
+    rng = random.Random(seed)
     torch.manual_seed(seed)
     global_model = task.build_model()
     data = task.train_set()
@@ -100,6 +124,12 @@ def fedavg(task: Task, clients: int, time_s: float, rounds: int, seed: int) -> l
         for i in range(clients)
     ]
     local = task.build_model()
+    # Warm up: first calls (the optimizer's first step imports half of torch) are not FedAvg's
+    # cost, and the edges have paid theirs before the clock starts.
+    x, y = next(iter(loaders[0]))
+    warm = torch.optim.SGD(local.parameters(), lr=0.0)
+    task.loss(local(x), y).backward()
+    warm.step()
     clock = 0.0
     trace: list[TracePoint] = [(0.0, 0, task.evaluate(global_model, test))]
     for r in range(1, rounds + 1):
@@ -115,7 +145,10 @@ def fedavg(task: Task, clients: int, time_s: float, rounds: int, seed: int) -> l
                 loss.backward()
                 opt.step()
             states.append({k: v.detach().clone() for k, v in local.state_dict().items()})
-            slowest = max(slowest, time.perf_counter() - t0)
+            link = 0.0
+            if message_loss:  # the model down, the update up
+                link = transfer_s(rng, message_loss, timeout_s) + transfer_s(rng, message_loss, timeout_s)
+            slowest = max(slowest, time.perf_counter() - t0 + link)
         t0 = time.perf_counter()
         averaged = {
             k: torch.stack([s[k].float() for s in states]).mean(0).to(states[0][k].dtype) for k in states[0]
@@ -133,7 +166,7 @@ def time_to(trace: list[TracePoint], target: float) -> float | None:
 
 
 def plot(traces: dict[str, list[TracePoint]], path: Path, title: str) -> str | None:
-    """Accuracy against time, one line per run; None (and why on stderr) without matplotlib."""
+    """Accuracy against time: message loss and packet loss side by side, FedAvg on both."""
     try:
         import matplotlib
 
@@ -142,18 +175,32 @@ def plot(traces: dict[str, list[TracePoint]], path: Path, title: str) -> str | N
     except ImportError:
         print("convergence: matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
         return None
-    fig, ax = plt.subplots(figsize=(9, 5.5), dpi=110)
-    for name, trace in traces.items():
-        style = "k--" if name == "fedavg" else "-"
-        ax.plot([t for t, _, _ in trace], [acc * 100 for _, _, acc in trace], style, label=name, lw=1.6)
-    ax.axhline(90, color="grey", lw=0.6, ls=":")
-    ax.axhline(95, color="grey", lw=0.6, ls=":")
-    ax.set_xlabel("seconds since training started")
-    ax.set_ylabel("test accuracy (%)")
-    ax.set_ylim(0, 100)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+    panels = [("message loss (in process)", "message"), ("packet loss (kernel, TCP)", "packet")]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.5), dpi=110, sharey=True)
+    runs = [name for name in traces if not name.startswith("fedavg")]
+    colours = {name: f"C{i}" for i, name in enumerate(runs)}
+    for ax, (label, kind) in zip(axes, panels):
+        for name, trace in traces.items():
+            lossy_fedavg = name.startswith("fedavg, ")
+            if name != "fedavg" and not name.startswith(kind) and not (lossy_fedavg and kind == "message"):
+                continue
+            if name == "fedavg":
+                style = {"color": "black", "ls": "--"}
+            elif lossy_fedavg:  # same colour as our run at that loss, dotted
+                style = {"color": colours.get(name.split(", ", 1)[1], "grey"), "ls": ":"}
+            else:
+                style = {"color": colours[name], "ls": "-"}
+            ax.plot([t for t, _, _ in trace], [acc * 100 for _, _, acc in trace], label=name, lw=1.5, **style)
+        for level in (90, 95):
+            ax.axhline(level, color="grey", lw=0.6, ls=":")
+        ax.set_xscale("symlog", linthresh=1.0)  # the first seconds matter most
+        ax.set_xlabel("seconds since the first edge started training")
+        ax.set_title(label)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+    axes[0].set_ylabel("test accuracy of the gateway's model (%)")
+    axes[0].set_ylim(0, 100)
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -198,10 +245,16 @@ def main() -> None:
     print(f"convergence: {args.time_s:.0f} s / {args.rounds} rounds per run, weighting {args.weighting}")
 
     t0 = time.monotonic()
+    message_losses = [int(v) for v in args.losses.split(",") if v.strip()]
     traces["fedavg"] = fedavg(task, base.edges, args.time_s, args.rounds, args.seed)
     print(f"  fedavg: accuracy {traces['fedavg'][-1][2]:.4f} after {traces['fedavg'][-1][1]} rounds")
+    for pct in (p for p in message_losses if p):
+        name = f"fedavg, message loss {pct}%"
+        traces[name] = fedavg(
+            task, base.edges, args.time_s, args.rounds, args.seed, pct / 100, base.timeout_ms / 1000
+        )
+        print(f"  {name}: accuracy {traces[name][-1][2]:.4f} after {traces[name][-1][1]} rounds")
 
-    message_losses = [int(v) for v in args.losses.split(",") if v.strip()]
     for pct in message_losses:
         name = f"message loss {pct}%"
         traces[name], runs[name] = run_fleet(name, _with_loss(base, pct / 100))
@@ -265,6 +318,10 @@ def main() -> None:
         "fedavg_final_acc": final("fedavg"),
         "fedavg_time_to_90_s": time_to(traces["fedavg"], 0.90),
         "fedavg_time_to_95_s": time_to(traces["fedavg"], 0.95),
+        "fedavg_lossy_final_acc": {str(p): final(f"fedavg, message loss {p}%") for p in message_losses if p},
+        "fedavg_lossy_time_to_90_s": {
+            str(p): time_to(traces[f"fedavg, message loss {p}%"], 0.90) for p in message_losses if p
+        },
         "budget_s": args.time_s,
         "weighting": args.weighting,
         "burst": args.burst,

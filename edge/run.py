@@ -107,7 +107,8 @@ def run(args: argparse.Namespace, config: EdgeConfig) -> int:
     if not agent.wait_ready(timeout_s=max(2.0, 4 * config.timeout_ms / 1000.0)):
         log.warning("no answer from the gateway at %s yet: training from the local model", config.gateway)
 
-    started = last_status = time.monotonic()
+    started = time.monotonic()
+    last_status = started - config.status_every_s  # the first status right after the first step
     loss = torch.tensor(0.0)
     try:
         for _ in range(config.train.epochs):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
@@ -66,3 +67,29 @@ def test_edge_link_benchmark_reports_its_figures() -> None:
     ):  # fmt: skip
         assert figures[key] > 0, key
     assert figures["mlp_pushes_per_step"] > 0.5  # on a lossless link nearly every step is pushed
+
+
+@pytest.mark.slow
+def test_convergence_benchmark_writes_its_csv_plot_and_figures(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "benchmarks/convergence.py", "--time-s", "3", "--rounds", "60", "--losses", "0,60",
+         "--packet-losses", "10", "--drain-s", "2", "--out-dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert set(figures["final_acc"]) == {"0", "60"} and set(figures["time_to_90_s"]) == {"0", "60"}
+    assert all(0.0 <= acc <= 1.0 for acc in figures["final_acc"].values())
+    assert all(figures["audit_ok"].values()), figures
+    assert 0.0 < figures["fedavg_final_acc"] <= 1.0 and "fedavg_time_to_90_s" in figures
+    # Kernel packet loss ran, or the JSON says exactly why not.
+    assert set(figures["packet_final_acc"]) == {"10"} or figures["packet_skipped"]
+    with open(figures["csv"]) as f:
+        rows = list(csv.DictReader(f))
+    runs = {row["run"] for row in rows}
+    assert {"fedavg", "message loss 0%", "message loss 60%"} <= runs
+    for name, acc in figures["final_acc"].items():  # the CSV's last point is the JSON's figure
+        last = [row for row in rows if row["run"] == f"message loss {name}%"][-1]
+        assert abs(float(last["accuracy"]) - acc) < 1e-4
+    with open(figures["plot"], "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
