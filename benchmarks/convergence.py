@@ -194,6 +194,7 @@ def plot(traces: dict[str, list[TracePoint]], path: Path, title: str) -> str | N
         for level in (90, 95):
             ax.axhline(level, color="grey", lw=0.6, ls=":")
         ax.set_xscale("symlog", linthresh=1.0)  # the first seconds matter most
+        ax.set_xlim(left=0)
         ax.set_xlabel("seconds since the first edge started training")
         ax.set_title(label)
         ax.grid(alpha=0.3)
@@ -209,7 +210,9 @@ def plot(traces: dict[str, list[TracePoint]], path: Path, title: str) -> str | N
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--time-s", type=float, default=60.0, help="training budget of every run")
+    parser.add_argument(
+        "--time-s", type=float, default=12.0, help="training budget of every run (the README's figures: 60)"
+    )
     parser.add_argument("--rounds", type=int, default=500, help="round budget of every run")
     parser.add_argument("--losses", default="0,30,60,95", help="message loss rates, percent")
     parser.add_argument(
@@ -220,7 +223,7 @@ def main() -> None:
     )
     parser.add_argument("--weighting", default="progress", choices=("progress", "success"))
     parser.add_argument("--timeout-ms", type=int, default=100)
-    parser.add_argument("--drain-s", type=float, default=5.0, help="time edges get to deliver at the end")
+    parser.add_argument("--drain-s", type=float, default=3.0, help="time edges get to deliver at the end")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", default=str(REPO / "benchmarks" / "out"))
     args = parser.parse_args()
@@ -289,12 +292,21 @@ def main() -> None:
         for name, trace in traces.items():
             for t, r, acc in trace:
                 writer.writerow([name, f"{t:.2f}", r, f"{acc:.4f}"])
-    title = f"digits, 4 edges, {args.weighting} weighting; FedAvg: clients in parallel, free links"
+    title = (
+        f"digits, 4 edges, {args.weighting} weighting, {args.time_s:.0f} s budget.  Synchronous FedAvg: "
+        "dashed on a perfect link, dotted over the same message loss (link time simulated)"
+    )
     png = plot(traces, out_dir / "convergence.png", title)
 
     def final(name: str) -> float:
         return round(traces[name][-1][2], 4)
 
+    def ratio(ours: float | None, reference: float | None) -> float | None:
+        return round(ours / reference, 2) if ours is not None and reference else None
+
+    fedavg_90 = {
+        p: time_to(traces["fedavg" if not p else f"fedavg, message loss {p}%"], 0.90) for p in message_losses
+    }
     result = {
         "final_acc": {str(p): final(f"message loss {p}%") for p in message_losses},
         "time_to_90_s": {str(p): time_to(traces[f"message loss {p}%"], 0.90) for p in message_losses},
@@ -309,6 +321,11 @@ def main() -> None:
             for p in sorted(packet)
             if f"packet loss {p}%" in traces
         },
+        "packet_time_to_95_s": {
+            str(p): time_to(traces[f"packet loss {p}%"], 0.95)
+            for p in sorted(packet)
+            if f"packet loss {p}%" in traces
+        },
         "packet_audit_ok": {
             str(p): runs[f"packet loss {p}%"].get("audit_ok")
             for p in sorted(packet)
@@ -319,6 +336,10 @@ def main() -> None:
         "fedavg_time_to_90_s": time_to(traces["fedavg"], 0.90),
         "fedavg_time_to_95_s": time_to(traces["fedavg"], 0.95),
         "fedavg_lossy_final_acc": {str(p): final(f"fedavg, message loss {p}%") for p in message_losses if p},
+        # Our time to 90% over synchronous FedAvg's on the same link (None: FedAvg never got there).
+        "time_to_90_ratio_vs_fedavg": {
+            str(p): ratio(time_to(traces[f"message loss {p}%"], 0.90), fedavg_90[p]) for p in message_losses
+        },
         "fedavg_lossy_time_to_90_s": {
             str(p): time_to(traces[f"fedavg, message loss {p}%"], 0.90) for p in message_losses if p
         },

@@ -43,6 +43,10 @@ class Weighting(Protocol):
         """What the contribution adds to the divisor of its layer's average."""
         ...
 
+    def min_divisor(self) -> int:
+        """The divisor of a layer's average is at least this (however few contributed)."""
+        ...
+
 
 @dataclass(frozen=True)
 class SuccessWeighted:
@@ -66,19 +70,29 @@ class SuccessWeighted:
     def share(self, count: int) -> int:
         return count
 
+    def min_divisor(self) -> int:
+        return 1
+
 
 @dataclass(frozen=True)
 class LocalProgress:
-    """mean over contributions of (edge_lr / gateway_lr) * discount**staleness * sum (FedAvg).
+    """sum of (edge_lr / gateway_lr) * discount**staleness * sum, over max(contributions, expected).
 
     The ratio turns an edge's local move into a gradient for the gateway's
-    optimizer: with plain SGD the update is exactly the mean of the edges' moves.
+    optimizer: with plain SGD and a full round the update is exactly the mean of
+    the edges' moves (FedAvg).  A round that closed on its deadline with fewer
+    contributions than `expected` (the quorum) still divides by `expected`, as
+    FedBuff divides by its buffer size: otherwise one edge's delivery of hundreds
+    of local steps would move the whole model as far as that edge moved, and the
+    next round another edge's would pull it back (measured at 1 Mbit/s: the final
+    accuracy swung between 82% and 95%).
     """
 
     edge_lr: float
     gateway_lr: float
     max_staleness: int = 8
     discount: float = 1.0
+    expected: int = 1
 
     def __post_init__(self) -> None:
         if self.edge_lr <= 0 or self.gateway_lr <= 0:
@@ -86,6 +100,8 @@ class LocalProgress:
                 f"learning rates must be > 0, got edge {self.edge_lr}, gateway {self.gateway_lr}"
             )
         SuccessWeighted(self.max_staleness, self.discount)  # same checks
+        if self.expected < 1:
+            raise ValueError(f"expected contributions must be >= 1, got {self.expected}")
 
     def admit(self, staleness: int) -> bool:
         return staleness <= self.max_staleness
@@ -95,6 +111,9 @@ class LocalProgress:
 
     def share(self, count: int) -> int:
         return 1
+
+    def min_divisor(self) -> int:
+        return self.expected
 
 
 class LayerAccumulator:
@@ -120,8 +139,8 @@ class LayerAccumulator:
             self.total.add_(flat, alpha=scale)
         self.count += count
 
-    def average(self) -> torch.Tensor | None:
-        return self.total / self.count if self.count else None
+    def average(self, min_divisor: int = 1) -> torch.Tensor | None:
+        return self.total / max(self.count, min_divisor) if self.count else None
 
     def reset(self) -> None:
         self.count = 0

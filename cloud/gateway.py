@@ -412,7 +412,7 @@ class Gateway:
         rnd = self.open
         updated = 0
         for param, acc in zip(self.params, self.acc):
-            avg = acc.average()
+            avg = acc.average(self.weighting.min_divisor())
             if avg is None:
                 param.grad = None
             else:

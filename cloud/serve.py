@@ -48,6 +48,7 @@ def build_gateway(
             gateway_lr=lr,
             max_staleness=g.max_staleness,
             discount=g.staleness_discount,
+            expected=g.quorum,
         )
     else:
         weighting = SuccessWeighted(max_staleness=g.max_staleness, discount=g.staleness_discount)

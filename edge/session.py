@@ -179,7 +179,6 @@ class EdgeSession:
         self.announced = model_version
         self._model_asked_at = -1.0  # newest model request not answered yet (-1: none)
         self._model_first_ask = -1.0  # oldest one: an answer covers at least that request
-        self._model_wait_s = options.timeout_s  # before asking again; doubles while unanswered
         self._flights: dict[int, int] = {}  # seq -> unit
         self._outstanding_n = 0  # flights sent whose deadline has not passed
         self._sock: zmq.Socket | None = None
@@ -646,13 +645,13 @@ class EdgeSession:
         if not want or not self.welcomed:
             return
         if self._model_asked_at >= 0 and not force:
-            # On a slow link a model takes longer to come down than the deadline: asking
-            # again at once would queue copies of it.  Wait longer each time (or, where the
-            # link loses messages, as long as a weak push waits).
-            wait = self.resend_s if self.loses_messages else self._model_wait_s
+            # One request at a time: on a slow link a model takes longer to come down than
+            # the deadline, and asking again would queue copies of it ahead of the acks.  A
+            # live TCP connection delivers the answer (a replaced socket asks anew); only a
+            # link that loses messages, or a reply the gateway could not queue, needs another.
+            wait = self.resend_s if self.loses_messages else self._resend_max_s
             if now - self._model_asked_at < wait:
                 return
-            self._model_wait_s = min(self._resend_max_s, self._model_wait_s * 2)
         if self._model_first_ask < 0:
             self._model_first_ask = now
         self._model_asked_at = now
@@ -661,7 +660,6 @@ class EdgeSession:
 
     def _on_model(self, msg: Model) -> None:
         self._model_asked_at = self._model_first_ask = -1.0
-        self._model_wait_s = self.options.timeout_s
         if not msg.full:
             log.warning("partial model %d ignored: this edge asks for whole models", msg.version)
             return

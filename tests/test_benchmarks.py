@@ -82,12 +82,13 @@ def test_convergence_benchmark_writes_its_csv_plot_and_figures(tmp_path: Path) -
     assert all(0.0 <= acc <= 1.0 for acc in figures["final_acc"].values())
     assert all(figures["audit_ok"].values()), figures
     assert 0.0 < figures["fedavg_final_acc"] <= 1.0 and "fedavg_time_to_90_s" in figures
+    assert set(figures["fedavg_lossy_final_acc"]) == {"60"}  # FedAvg over the same lossy link
     # Kernel packet loss ran, or the JSON says exactly why not.
     assert set(figures["packet_final_acc"]) == {"10"} or figures["packet_skipped"]
     with open(figures["csv"]) as f:
         rows = list(csv.DictReader(f))
     runs = {row["run"] for row in rows}
-    assert {"fedavg", "message loss 0%", "message loss 60%"} <= runs
+    assert {"fedavg", "fedavg, message loss 60%", "message loss 0%", "message loss 60%"} <= runs
     for name, acc in figures["final_acc"].items():  # the CSV's last point is the JSON's figure
         last = [row for row in rows if row["run"] == f"message loss {name}%"][-1]
         assert abs(float(last["accuracy"]) - acc) < 1e-4

@@ -336,7 +336,7 @@ def test_local_progress_is_the_mean_of_the_edges_moves() -> None:
         model,
         torch.optim.SGD(model.parameters(), lr=0.5),
         GatewayOptions(bind="tcp://127.0.0.1:0"),
-        weighting=LocalProgress(edge_lr=0.1, gateway_lr=0.5, max_staleness=4),
+        weighting=LocalProgress(edge_lr=0.1, gateway_lr=0.5, max_staleness=4, expected=2),
         rounds=DeadlineQuorum(deadline_s=60.0, quorum=2),
     )
     gw.bind()
@@ -354,7 +354,16 @@ def test_local_progress_is_the_mean_of_the_edges_moves() -> None:
         for p, w, n in zip(gw.params, w0, gw.names):
             # FedAvg: the mean of the moves, whatever the step counts.
             torch.testing.assert_close(p.detach(), w - 0.1 * (sa[n] + sb[n]) / 2, rtol=0, atol=1e-6)
+        # A round that closes (on its deadline) with one of the two expected edges: that edge's
+        # move counts for its share of the fleet, not for the whole fleet (FedBuff's rule).
+        w1 = [p.detach().clone() for p in gw.params]
+        assert a.push(2, sa, count=300, base=1).accepted
+        gw.close_round()
+        for p, w, n in zip(gw.params, w1, gw.names):
+            torch.testing.assert_close(p.detach(), w - 0.1 * sa[n] / 2, rtol=0, atol=1e-6)
     finally:
         gw.close()
     with pytest.raises(ValueError, match="learning rates must be > 0"):
         LocalProgress(edge_lr=0.0, gateway_lr=0.5)
+    with pytest.raises(ValueError, match="expected contributions"):
+        LocalProgress(edge_lr=0.1, gateway_lr=0.5, expected=0)
