@@ -64,7 +64,7 @@ import zmq
 
 from common.config import setting
 from common.link import ChannelStats, Faults, FaultyChannel, TokenBucket
-from common.shared_settings import log_level_setting
+from common.shared_settings import faults_spec, log_level_setting
 
 log = logging.getLogger("elasticfed.linksim")
 
@@ -91,15 +91,6 @@ def listen_endpoint(value: str) -> str | None:
 def upstream_endpoint(value: str) -> str | None:
     """The gateway to forward to (empty is refused when the command runs, not at load)."""
     return None if value == "" else _endpoint(value, bind=False)
-
-
-def faults_spec(value: str) -> str | None:
-    """The edge's `--faults` syntax, checked when the config loads so the error names the flag."""
-    try:
-        Faults.parse(value)
-    except ValueError as exc:
-        return str(exc)
-    return None
 
 
 @dataclass(frozen=True)

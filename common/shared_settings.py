@@ -6,6 +6,7 @@ import re
 from typing import Any
 
 from common.config import setting
+from common.link import Faults
 
 _TASK = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
 _TCP = re.compile(r"^tcp://(\*|\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
@@ -53,3 +54,12 @@ def log_level_setting() -> Any:
 def insecure_setting(help: str) -> Any:
     """`--insecure`: the one explicit way to run without CURVE (DESIGN.md guarantee 4)."""
     return setting(False, help, flag="--insecure")
+
+
+def faults_spec(value: str) -> str | None:
+    """The `--faults` syntax (common.link.Faults), checked when a config loads so the error names the flag."""
+    try:
+        Faults.parse(value)
+    except ValueError as exc:
+        return str(exc)
+    return None

@@ -6,9 +6,9 @@ import re
 from dataclasses import dataclass
 
 from common.config import section, setting
-from common.link import Faults
 from common.shared_settings import (
     compression_setting,
+    faults_spec,
     insecure_setting,
     log_level_setting,
     task_setting,
@@ -25,14 +25,6 @@ def shard_spec(value: str) -> str | None:
     match = _SHARD.match(value)
     if not match or not 0 <= int(match.group(1)) < int(match.group(2)):
         return "must look like 'i/n' with 0 <= i < n, e.g. '2/4'"
-    return None
-
-
-def faults_spec(value: str) -> str | None:
-    try:
-        Faults.parse(value)
-    except ValueError as exc:
-        return str(exc)
     return None
 
 

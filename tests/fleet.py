@@ -121,9 +121,8 @@ class Proc:
 
     def _tail(self) -> str:
         last = "\n".join(json.dumps(e) for e in self.events[-3:])
-        return (
-            f" (exit code {self.proc.poll()})\n--- last events ---\n{last}\n--- stderr ---\n"
-            + "".join(self.stderr[-40:])
+        return f" (exit code {self.proc.poll()})\n--- last events ---\n{last}\n--- stderr ---\n" + "".join(
+            self.stderr[-40:]
         )
 
 
@@ -169,6 +168,18 @@ def applied_by_layer(gateway_status: dict[str, Any], client: str, family: str) -
     rows = gateway_status["metrics"][family]
     prefix = f"client={client},layer="
     return {key[len(prefix) :]: value for key, value in rows.items() if key.startswith(prefix)}
+
+
+def audit(gateway_status: dict[str, Any], summary: dict[str, Any]) -> None:
+    """Per layer: applied once + dropped as stale == produced, and the edge was told about every drop."""
+    client = summary["client"]
+    applied = applied_by_layer(gateway_status, client, "gateway_applied_steps_total")
+    dropped = applied_by_layer(gateway_status, client, "gateway_dropped_stale_steps_total")
+    assert summary["undelivered_steps"] == 0 and summary["delivered_all"], summary
+    for layer, produced in summary["produced_steps"].items():
+        assert applied.get(layer, 0) + dropped.get(layer, 0) == produced, (client, layer, applied, dropped)
+        assert summary["dropped_stale_steps"].get(layer, 0) == dropped.get(layer, 0)
+        assert summary["delivered_steps"].get(layer, 0) == applied.get(layer, 0)
 
 
 def model_bytes(model: torch.nn.Module) -> int:

@@ -17,7 +17,7 @@ from pathlib import Path
 import edge_cases
 import pytest
 import torch
-from fleet import applied_by_layer, edge, free_port, gateway_process, gateway_thread, model_bytes
+from fleet import applied_by_layer, audit, edge, free_port, gateway_process, gateway_thread, model_bytes
 
 from cloud.aggregation import DeadlineQuorum, SuccessWeighted
 from cloud.gateway import Gateway, GatewayOptions
@@ -26,18 +26,6 @@ from edge.agent import ElasticEdge
 from edge.session import EdgeRefused, SessionOptions
 
 pytestmark = pytest.mark.slow
-
-
-def audit(gateway_status: dict, summary: dict) -> None:
-    """Per layer: applied once + dropped as stale == produced, and the edge was told about every drop."""
-    client = summary["client"]
-    applied = applied_by_layer(gateway_status, client, "gateway_applied_steps_total")
-    dropped = applied_by_layer(gateway_status, client, "gateway_dropped_stale_steps_total")
-    assert summary["undelivered_steps"] == 0 and summary["delivered_all"], summary
-    for layer, produced in summary["produced_steps"].items():
-        assert applied.get(layer, 0) + dropped.get(layer, 0) == produced, (client, layer, applied, dropped)
-        assert summary["dropped_stale_steps"].get(layer, 0) == dropped.get(layer, 0)
-        assert summary["delivered_steps"].get(layer, 0) == applied.get(layer, 0)
 
 
 def test_a_lossless_round_equals_the_hand_computed_success_weighted_step(tmp_path: Path) -> None:
