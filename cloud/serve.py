@@ -68,6 +68,16 @@ def totals(status: dict[str, Any]) -> dict[str, float]:
     return {name: sum(rows.values()) for name, rows in status["metrics"].items() if name.endswith("_total")}
 
 
+def _by_label(rows: dict[str, float], label: str) -> dict[str, float]:
+    """A labelled counter summed over every label but `label` (e.g. rejections per reason)."""
+    out: dict[str, float] = {}
+    for key, value in rows.items():
+        parts = dict(part.split("=", 1) for part in key.split(",") if "=" in part)
+        name = parts.get(label, "")
+        out[name] = out.get(name, 0) + value
+    return out
+
+
 def run(args: argparse.Namespace, config: CloudConfig) -> int:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     if config.mode != "standalone":
@@ -118,6 +128,7 @@ def run(args: argparse.Namespace, config: CloudConfig) -> int:
                 "clients": status["clients"],
                 "applied_steps": status["metrics"]["gateway_applied_steps_total"],
                 "dropped_stale_steps": status["metrics"]["gateway_dropped_stale_steps_total"],
+                "rejected_by_reason": _by_label(status["metrics"]["gateway_rejected_total"], "reason"),
                 **totals(status),
             }
         ),

@@ -187,7 +187,7 @@ def train_fleet(lab: Lab, procs: list[Proc], loss: int = 0, rate: str | None = N
         "reconnects": sum(s["edge_reconnects_total"] for s in summaries),
         "sync_latency_max_s": max(s.get("sync_latency_max_s", 0.0) for s in summaries),
         "duplicates": gw["gateway_duplicates_total"],
-        "refused": gw["gateway_rejected_total"],
+        "refused": gw["rejected_by_reason"],
         "gateway_rss_growth_bytes": peak - rss_training,
         "edge_rss_growth_bytes": edge_growth,
         "edge_cache_peak_bytes": [cache_peak(e, s) for e, s in zip(edges, summaries)],
@@ -199,8 +199,9 @@ def train_fleet(lab: Lab, procs: list[Proc], loss: int = 0, rate: str | None = N
         check_memory(e, s)
     assert peak - rss_training <= GATEWAY_GROWTH_BYTES, figures
     assert max(edge_growth) <= EDGE_GROWTH_BYTES, figures
-    # Over TCP nothing arrives corrupted: a refusal means the edge sent bytes it had changed.
-    assert gw["gateway_rejected_total"] == 0, figures
+    # Only verdicts of "too stale" (a long outage while the other edge's rounds go on); anything
+    # else refused over TCP (checksum, malformed) means the edge sent bytes it had changed.
+    assert set(gw["rejected_by_reason"]) <= {"stale"}, figures
     return figures
 
 
@@ -261,7 +262,7 @@ def test_95_percent_loss_for_20_s_trains_on_and_delivers_everything_after(
         "sync_latency_max_s": summary.get("sync_latency_max_s"),
         "drain_s": round(drain_s, 1),
         "accuracy": round(gw["accuracy"], 4),
-        "refused": gw["gateway_rejected_total"],
+        "refused": gw["rejected_by_reason"],
         "first_delivery_t": before["t"],
     }
     print(json.dumps(figures))
@@ -275,7 +276,9 @@ def test_95_percent_loss_for_20_s_trains_on_and_delivers_everything_after(
     for e, s in zip((down, healthy), summaries):
         audit(gw, s)
         check_memory(e, s)
-    assert gw["gateway_rejected_total"] == 0, figures
+    # Only verdicts of "too stale" (a long outage while the other edge's rounds go on); anything
+    # else refused over TCP (checksum, malformed) means the edge sent bytes it had changed.
+    assert set(gw["rejected_by_reason"]) <= {"stale"}, figures
 
 
 def test_the_lab_is_gone_after_a_test(netns_lab: Lab) -> None:
