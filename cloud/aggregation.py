@@ -1,10 +1,12 @@
 """How the gateway turns edge contributions into one update: weighting and round policies.
 
-Two small policy objects, in the spirit of Flower's `Strategy`, around one
-concrete accumulator:
+Small policy objects, in the spirit of Flower's `Strategy`:
 
 - a `Weighting` says whether a contribution is admitted at its staleness and
   how much its sum is discounted;
+- an `Aggregation` makes the per-layer accumulators: the mean (a running sum,
+  the default) or a robust statistic over devices (coordinate-wise median or
+  trimmed mean) for fleets that may hold faulty or hostile devices;
 - a `RoundPolicy` says when the open round closes.
 
 `SuccessWeighted` is DESIGN.md section 6: a layer's average is the sum of its
@@ -24,6 +26,7 @@ local progress keeps it.  Measured in benchmarks/convergence.py.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -116,6 +119,20 @@ class LocalProgress:
         return self.expected
 
 
+class Accumulator(Protocol):
+    """One layer's contributions in the open round."""
+
+    def add(self, client: str, tensor: torch.Tensor, count: int, scale: float) -> None:
+        """Add a (scaled) sum; `count` is its share of the divisor (see `Weighting.share`)."""
+        ...
+
+    def average(self, min_divisor: int = 1) -> torch.Tensor | None:
+        """The layer's update for the round (None: nobody contributed)."""
+        ...
+
+    def reset(self) -> None: ...
+
+
 class LayerAccumulator:
     """Running discounted sum and count of one layer's contributions in the open round."""
 
@@ -125,7 +142,7 @@ class LayerAccumulator:
         self.total = torch.empty(numel, dtype=dtype)
         self.count = 0
 
-    def add(self, tensor: torch.Tensor, count: int, scale: float) -> None:
+    def add(self, client: str, tensor: torch.Tensor, count: int, scale: float) -> None:
         """Add a (scaled) sum; `count` is its share of the divisor (see `Weighting.share`)."""
         flat = tensor.reshape(-1)
         if self.count == 0:  # the first contribution of the round overwrites (no zeroing pass)
@@ -144,6 +161,111 @@ class LayerAccumulator:
 
     def reset(self) -> None:
         self.count = 0
+
+
+class PerDeviceAccumulator:
+    """Each device's own average of the layer, then a robust statistic across devices.
+
+    Memory is one buffer per device that contributed in the round (DESIGN.md
+    guarantee 2 allows growth with the number of clients, not with messages).
+    The result is scaled by devices / max(devices, min_divisor), the same rule
+    as the mean's divisor, so a deadline round with few devices moves as little.
+    """
+
+    __slots__ = ("numel", "reduce", "sums")
+
+    def __init__(self, numel: int, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.numel = numel
+        self.reduce = reduce
+        self.sums: dict[str, list] = {}  # client -> [sum tensor, count]
+
+    def add(self, client: str, tensor: torch.Tensor, count: int, scale: float) -> None:
+        flat = tensor.reshape(-1).to(torch.float32)
+        entry = self.sums.get(client)
+        if entry is None:
+            self.sums[client] = [flat * scale, count]
+        else:
+            entry[0].add_(flat, alpha=scale)
+            entry[1] += count
+
+    def average(self, min_divisor: int = 1) -> torch.Tensor | None:
+        if not self.sums:
+            return None
+        means = torch.stack([total / max(count, 1) for total, count in self.sums.values()])
+        devices = means.shape[0]
+        return self.reduce(means) * (devices / max(devices, min_divisor))
+
+    def reset(self) -> None:
+        self.sums.clear()
+
+
+def coordinate_median(values: torch.Tensor) -> torch.Tensor:
+    """Median over dim 0; with an even count, the mean of the two middle values."""
+    n = values.shape[0]
+    ordered = values.sort(dim=0).values
+    return (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
+
+
+class Aggregation(Protocol):
+    """Makes the accumulator of each layer: how contributions become one update."""
+
+    name: str
+
+    def accumulator(self, numel: int) -> Accumulator: ...
+
+
+@dataclass(frozen=True)
+class MeanAggregation:
+    """The weighted mean (DESIGN.md section 6): a running sum, one buffer per layer."""
+
+    name: str = "mean"
+
+    def accumulator(self, numel: int) -> Accumulator:
+        return LayerAccumulator(numel)
+
+
+@dataclass(frozen=True)
+class CoordinateMedian:
+    """Per coordinate, the median of the devices' averages: one bad device of three cannot move it
+    outside the honest devices' range."""
+
+    name: str = "median"
+
+    def accumulator(self, numel: int) -> Accumulator:
+        return PerDeviceAccumulator(numel, coordinate_median)
+
+
+@dataclass(frozen=True)
+class TrimmedMean:
+    """Per coordinate, drop the `trim` share of largest and of smallest device averages, mean the rest."""
+
+    trim: float = 0.2
+    name: str = "trimmed_mean"
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.trim < 0.5:
+            raise ValueError(f"trimmed mean: trim must be in [0, 0.5), got {self.trim}")
+
+    def accumulator(self, numel: int) -> Accumulator:
+        return PerDeviceAccumulator(numel, self._reduce)
+
+    def _reduce(self, values: torch.Tensor) -> torch.Tensor:
+        n = values.shape[0]
+        k = int(self.trim * n)
+        if n - 2 * k < 1:
+            return coordinate_median(values)
+        return values.sort(dim=0).values[k : n - k].mean(dim=0)
+
+
+def aggregation_named(name: str, trim: float = 0.2) -> Aggregation:
+    """The policy a config names: mean, median or trimmed_mean."""
+    if name == "mean":
+        return MeanAggregation()
+    if name == "median":
+        return CoordinateMedian()
+    if name == "trimmed_mean":
+        return TrimmedMean(trim)
+    raise ValueError(f"unknown aggregation {name!r}: use mean, median or trimmed_mean")
 
 
 @dataclass

@@ -37,6 +37,29 @@ class GatewaySettings:
     lr_decay_rounds: int = setting(
         0, "decay the learning rate along a cosine over this many rounds, to 5% (0: constant)", min=0
     )
+    aggregation: str = setting(
+        "mean",
+        "how each layer's contributions are combined: mean (weighted, DESIGN section 6), or robust to "
+        "faulty devices: median or trimmed_mean (per coordinate, over devices)",
+        choices=("mean", "median", "trimmed_mean"),
+    )
+    trim: float = setting(
+        0.2, "aggregation=trimmed_mean: share of devices dropped at each end", min=0.0, max=0.49
+    )
+    max_grad_norm: float = setting(
+        0.0,
+        "bound on a layer's gradient norm per step (success) or per contribution (progress); 0: none",
+        min=0.0,
+    )
+    norm_policy: str = setting(
+        "clip", "a layer over max_grad_norm is clipped to it, or its push refused", choices=("clip", "reject")
+    )
+    rate_messages_per_s: float = setting(
+        2000.0, "messages one device may send per second (0: no limit)", min=0.0
+    )
+    rate_burst: int = setting(2000, "messages one device may send back to back", min=1)
+    rate_bytes_per_s: float = setting(0.0, "bytes one device may send per second (0: no limit)", min=0.0)
+    max_clients: int = setting(1024, "devices the gateway serves at once", min=1)
     credit: int = setting(8, "pushes one edge may have outstanding (flow control)", min=1, max=4096)
     window: int = setting(1024, "recent push verdicts kept per edge for de-duplication", min=16)
     max_rounds: int = setting(0, "stop after this many rounds (0: serve until stopped)", min=0)
@@ -84,8 +107,10 @@ class CloudSecurity:
     insecure: bool = insecure_setting(
         "accept edges without CURVE encryption and authentication (loud warning)"
     )
-    gateway_secret_key: str = setting("", "file holding the gateway's CURVE secret key (mode 0600)")
-    enrolled_dir: str = setting("", "folder of enrolled device public keys")
+    keys_dir: str = setting(
+        "",
+        "the gateway's key folder (`elasticfed keys init`): its key pair and enrolled/ device keys",
+    )
 
 
 @dataclass(frozen=True)
@@ -130,4 +155,7 @@ class DemoConfig:
     round_deadline_s: float = setting(0.5, "or this long after its first contribution", min=0.01)
     max_staleness: int = setting(50, "contributions more versions behind than this are dropped", min=0)
     seed: int = setting(0, "seed for the model, the data split and the link", min=0)
+    insecure: bool = insecure_setting(
+        "run the demo without CURVE (by default it makes keys in a temporary folder and enrols the edges)"
+    )
     task: str = task_setting()

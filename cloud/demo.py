@@ -29,9 +29,11 @@ from typing import Any, TextIO
 
 import torch
 
+from cloud.admission import CurveAdmission
 from cloud.config import CloudConfig, DemoConfig, GatewaySettings
 from cloud.gateway import RoundSummary
 from cloud.serve import build_gateway, totals
+from common.keys import KeyFolder, generate
 from common.link import Faults
 from common.task import load_task
 
@@ -89,7 +91,24 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _edge_argv(config: DemoConfig, i: int, endpoint: str) -> list[str]:
+def _demo_keys(folder: Path, edges: int) -> tuple[CurveAdmission, list[list[str]]]:
+    """A gateway key folder with every edge enrolled, and each edge's key flags (CURVE, as in production)."""
+    gateway_keys = KeyFolder(folder / "gateway")
+    gateway_public = gateway_keys.init()
+    flags = []
+    for i in range(edges):
+        public, secret = generate(f"edge-{i}", folder / f"edge-{i}")
+        gateway_keys.enrol(f"edge-{i}", public)
+        flags.append(
+            [
+                *("--security-device-secret-key", str(secret)),
+                *("--security-gateway-public-key", str(gateway_public)),
+            ]
+        )
+    return CurveAdmission.from_folder(str(gateway_keys.root)), flags
+
+
+def _edge_argv(config: DemoConfig, i: int, endpoint: str, security: list[str]) -> list[str]:
     faults = Faults(
         loss=config.loss,
         burst=config.burst,
@@ -137,7 +156,7 @@ def _edge_argv(config: DemoConfig, i: int, endpoint: str) -> list[str]:
         "0.5",
         "--drain-s",
         str(config.drain_s),
-        "--insecure",
+        *security,
         "--log-level",
         "warning",
     ]
@@ -249,23 +268,32 @@ def run(
                     (time.monotonic() - training, summary.version, task.evaluate(gateway.model, test_set))
                 )
 
+    logs = Path(tempfile.mkdtemp(prefix="elasticfed-demo-"))
+    admission: CurveAdmission | None = None
+    security = [["--insecure"]] * config.edges
+    if not config.insecure:
+        admission, security = _demo_keys(logs / "keys", config.edges)
     cloud = replace(cloud, gateway=replace(cloud.gateway, bind=bind))
-    gateway = build_gateway(cloud, task, on_round)
+    gateway = build_gateway(cloud, task, on_round, admission)
     endpoint = gateway.bind()
     stop_gateway = threading.Event()
     serving = threading.Thread(target=gateway.serve, args=(stop_gateway,), name="gateway", daemon=True)
 
-    logs = Path(tempfile.mkdtemp(prefix="elasticfed-demo-"))
     print(
         f"elasticfed demo: gateway on {endpoint}, {config.edges} edge processes, task {task.name}, "
         f"{config.partition} split, link: {faults.describe()}, per-layer deadline {config.timeout_ms} ms",
         file=out,
     )
-    print("  the link is NOT encrypted: CURVE arrives with issue #6; edge logs in " + str(logs), file=out)
+    link = (
+        f"CURVE-encrypted, {config.edges} devices enrolled (keys in {logs / 'keys'})"
+        if admission is not None
+        else "NOT encrypted or authenticated (--insecure)"
+    )
+    print(f"  the link is {link}; edge logs in {logs}", file=out)
     started = training = time.monotonic()
     training_started = False  # an edge has reported a status line
     serving.start()
-    argvs = [_edge_argv(config, i, endpoint) for i in range(config.edges)]
+    argvs = [_edge_argv(config, i, endpoint, security[i]) for i in range(config.edges)]
     if edge_command is not None:
         argvs = [edge_command(i, argv, endpoint) for i, argv in enumerate(argvs)]
     edges = [_EdgeProcess(f"edge-{i}", argv, logs / f"edge-{i}.log") for i, argv in enumerate(argvs)]

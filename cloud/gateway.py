@@ -14,6 +14,15 @@ per client the gateway keeps the verdicts of at most `window` recent pushes
 client may have at most `credit` pushes outstanding, so the socket's queues
 are bounded too.  Sends use ROUTER_MANDATORY and never block: a message that
 cannot be delivered is counted, never dropped silently.
+
+Hostile input (DESIGN.md guarantees 3 and 4), checked in this order, cheapest
+first, each refusal counted by reason and logged naming the device: who is
+talking (the enrolled CURVE key behind the message, cloud/admission.py), its
+message and byte rate, then the decoder's caps (sized from the model's
+manifest, before anything is allocated), structure, shapes, dtypes, checksums
+and NaN/Inf, then replay and window checks per device, then the gradient-norm
+bound (clip or reject).  A refused message changes neither the model nor any
+other device's state.
 """
 
 from __future__ import annotations
@@ -31,15 +40,18 @@ import torch
 import zmq
 from torch import nn
 
+from cloud.admission import CurveAdmission
 from cloud.aggregation import (
+    Aggregation,
     DeadlineQuorum,
-    LayerAccumulator,
+    MeanAggregation,
     OpenRound,
     RoundPolicy,
     SuccessWeighted,
     Weighting,
 )
 from common.hooks import trainable_parameters
+from common.link import TokenBucket
 from common.metrics import STALENESS_BUCKETS, Metrics
 from protocol import (
     DEFAULT_LIMITS,
@@ -62,6 +74,7 @@ from protocol import (
     decode,
     encode,
     frame_bytes,
+    limits_for,
 )
 
 log = logging.getLogger("elasticfed.gateway")
@@ -71,17 +84,90 @@ log = logging.getLogger("elasticfed.gateway")
 VERDICTS_PER_ANSWER = 64
 
 
+NORM_POLICIES = ("clip", "reject")
+
+
 @dataclass(frozen=True)
 class GatewayOptions:
     bind: str = "tcp://*:7878"
     credit: int = 8  # pushes a client may have outstanding
     window: int = 1024  # verdicts kept per client for de-duplication
-    limits: Limits = DEFAULT_LIMITS
+    limits: Limits | None = None  # None: the tightest caps for the model (protocol.limits_for)
     gateway_id: str = ""  # default: random, new at every start (edges notice a restart)
+    max_clients: int = 1024  # devices remembered at once; a hello beyond is refused
+    rate_messages_per_s: float = 2000.0  # per device, all message types (0: no limit)
+    rate_burst: int = 2000  # messages a device may send back to back
+    rate_bytes_per_s: float = 0.0  # per device (0: no limit)
+    # Bound on a layer's gradient norm per unit of weight (a step for success weighting, a
+    # contribution for local progress); 0: no bound.  Over it: clip to it, or refuse the push.
+    max_grad_norm: float = 0.0
+    norm_policy: str = "clip"
 
     def __post_init__(self) -> None:
         if self.credit < 1 or self.window < 1:
             raise ValueError(f"credit and window must be >= 1, got {self.credit}, {self.window}")
+        if self.max_clients < 1 or self.rate_burst < 1:
+            raise ValueError(
+                f"max_clients and rate_burst must be >= 1, got {self.max_clients}, {self.rate_burst}"
+            )
+        if self.rate_messages_per_s < 0 or self.rate_bytes_per_s < 0 or self.max_grad_norm < 0:
+            raise ValueError("rates and max_grad_norm must be >= 0 (0: off)")
+        if self.norm_policy not in NORM_POLICIES:
+            raise ValueError(f"norm_policy must be one of {NORM_POLICIES}, got {self.norm_policy!r}")
+
+
+class _Rate:
+    """One device's message and byte budgets (token buckets)."""
+
+    __slots__ = ("bytes", "messages")
+
+    def __init__(self, options: GatewayOptions, now: float) -> None:
+        self.messages = (
+            TokenBucket(options.rate_messages_per_s, options.rate_burst, now)
+            if options.rate_messages_per_s
+            else None
+        )
+        self.bytes = (
+            TokenBucket(options.rate_bytes_per_s, max(options.rate_bytes_per_s, 1.0), now)
+            if options.rate_bytes_per_s
+            else None
+        )
+
+    def allow(self, size: int, now: float) -> bool:
+        if self.messages is not None and self.messages.ready_at(1, now) > now:
+            return False
+        if self.bytes is not None and self.bytes.ready_at(size, now) > now:
+            return False
+        if self.messages is not None:
+            self.messages.take(1, now)
+        if self.bytes is not None:
+            self.bytes.take(size, now)
+        return True
+
+
+class _RefusalLog:
+    """A warning per refusal, naming the device, but at most one per (device, reason) a second.
+
+    A flood of bad messages must not become a flood of log lines (a disk is a resource too);
+    the counters count every one.
+    """
+
+    def __init__(self, interval_s: float = 1.0, max_keys: int = 4096) -> None:
+        self.interval_s = interval_s
+        self.max_keys = max_keys
+        self._last: dict[tuple[str, str], tuple[float, int]] = {}
+
+    def warn(self, who: str, reason: str, detail: str, now: float) -> None:
+        key = (who, reason)
+        last, quiet = self._last.get(key, (-1e18, 0))
+        if now - last < self.interval_s:
+            self._last[key] = (last, quiet + 1)
+            return
+        if len(self._last) >= self.max_keys:
+            self._last.clear()
+        self._last[key] = (now, 0)
+        more = f" ({quiet} more like it not logged)" if quiet else ""
+        log.warning("refused a message from %s (%s): %s%s", who, reason, detail, more)
 
 
 @dataclass
@@ -142,6 +228,9 @@ class GatewayMetrics:
             "gateway_duplicates_total", "pushes answered before, not applied", ["client"]
         )
         self.rejected = m.counter("gateway_rejected_total", "messages refused", ["client", "reason"])
+        self.clipped = m.counter(
+            "gateway_clipped_total", "layer contributions scaled down to the norm bound", ["client", "layer"]
+        )
         self.bytes = m.counter("gateway_received_bytes_total", "bytes of push messages", ["client"])
         self.staleness = m.histogram(
             "gateway_staleness", "versions behind, per push", ["client"], STALENESS_BUCKETS
@@ -168,10 +257,14 @@ class Gateway:
         version: int = 0,
         clock: Callable[[], float] = time.monotonic,
         lr_factor: Callable[[int], float] | None = None,
+        admission: CurveAdmission | None = None,
+        aggregation: Aggregation | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.options = options or GatewayOptions()
+        self.admission = admission  # None: --insecure (anyone reaching the port may talk)
+        self.aggregation = aggregation or MeanAggregation()
         self.weighting = weighting or SuccessWeighted()
         self.rounds = rounds or DeadlineQuorum()
         self.on_round = on_round
@@ -184,7 +277,10 @@ class Gateway:
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.layer_index = {n: i for i, n in enumerate(self.names)}
-        self.acc = [LayerAccumulator(p.numel()) for p in self.params]
+        self.limits = self.options.limits or limits_for(self.manifest, DEFAULT_LIMITS)
+        self.acc = [self.aggregation.accumulator(p.numel()) for p in self.params]
+        self._rates: dict[str, _Rate] = {}
+        self._refusals = _RefusalLog()
         self.version = version
         self.open = OpenRound(number=1, layers=len(self.params))
         self.clients: dict[str, ClientState] = {}
@@ -205,17 +301,26 @@ class Gateway:
         # An edge keeps its routing id across reconnects: the new connection takes over the old
         # (possibly half-open) one, and the edge stays welcomed without another round trip.
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        apply_limits(sock, self.options.limits)
+        apply_limits(sock, self.limits)
+        if self.admission is not None:
+            self.admission.secure(sock)
         sock.bind(self.options.bind)
         self._sock = sock
         self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._bound.set()
         log.info(
-            "gateway %s listening on %s (model version %d)",
+            "gateway %s listening on %s (model version %d, %s)",
             self.gateway_id,
             self.bound_endpoint,
             self.version,
+            "CURVE, enrolled devices only" if self.admission is not None else "INSECURE",
         )
+        if self.admission is None:
+            log.warning(
+                "--insecure: edges connect WITHOUT encryption or authentication; anyone who reaches "
+                "%s can push gradients",
+                self.bound_endpoint,
+            )
         return self.bound_endpoint
 
     def wait_bound(self, timeout: float) -> str:
@@ -250,30 +355,48 @@ class Gateway:
                 self.handle(frames)
         self.maybe_close_round()
 
-    def close(self) -> None:
+    def close(self, linger_s: float = 1.0) -> None:
+        """Stop serving; replies already queued (the last round's acks) get `linger_s` to leave."""
         if self._sock is not None:
-            self._sock.close(linger=0)
+            self._sock.close(linger=int(linger_s * 1000))
             self._sock = None
+        if self.admission is not None:
+            self.admission.close()
 
     # ------------------------------------------------------------------- messages
     def handle(self, frames: list[Any]) -> None:
         route, body = frames[0].bytes, frames[1:]
         now = self.clock()
         client = self.routes.get(route)
-        who = client or f"unwelcomed peer {route[:24]!r}"
+        identity = None  # the enrolled name behind the message (CURVE), never a header's claim
+        if self.admission is not None:
+            identity = self.admission.identity(body[0]) if body else None
+            if identity is None:
+                self._refuse(route, None, Reason.UNAUTHENTICATED, "no enrolled CURVE key (revoked?)", now)
+                return
+            if client is not None and client != identity:
+                detail = f"device {identity!r} uses the routing id of {client!r}"
+                self._refuse(route, identity, Reason.IDENTITY, detail, now)
+                return
+        who = identity or client
+        if who is not None and (self.options.rate_messages_per_s or self.options.rate_bytes_per_s):
+            rate = self._rates.get(who)
+            if rate is None:
+                rate = self._rates[who] = _Rate(self.options, now)
+            if not rate.allow(sum(len(frame_bytes(f)) for f in body), now):
+                self._refuse(route, who, Reason.RATE_LIMITED, "over the rate limit; slow down", now)
+                return
         try:
-            msg = decode(body, limits=self.options.limits, manifest=self.manifest)
+            msg = decode(body, limits=self.limits, manifest=self.manifest)
         except ProtocolError as exc:
-            self.metrics.rejected.inc(client or "?", exc.reason.value)
-            log.warning("refused a message from %s: %s", who, exc)
-            self._reply(route, Reject(code=exc.reason.value, detail=exc.detail[:1024]))
+            self._refuse(route, who, exc.reason, exc.detail, now)
             return
         if isinstance(msg, Hello):
-            self._on_hello(route, msg, now)
+            self._on_hello(route, msg, now, identity)
             return
         state = self.clients.get(client) if client else None
         if state is None:
-            self.metrics.rejected.inc("?", Reason.NOT_WELCOMED.value)
+            self.metrics.rejected.inc(who or "?", Reason.NOT_WELCOMED.value)
             if isinstance(msg, Push):
                 self._ack(route, msg.seq, False, Reason.NOT_WELCOMED, "say hello first")
             else:
@@ -298,12 +421,21 @@ class Gateway:
         elif isinstance(msg, ModelRequest):
             self._on_model_request(route, msg)
         else:
-            self.metrics.rejected.inc(state.client_id, Reason.UNKNOWN_TYPE.value)
-            self._reply(
-                route, Reject(code=Reason.UNKNOWN_TYPE.value, detail=f"{msg.TYPE} is not for the gateway")
-            )
+            detail = f"{msg.TYPE} is not for the gateway"
+            self._refuse(route, state.client_id, Reason.UNKNOWN_TYPE, detail, now)
 
-    def _on_hello(self, route: bytes, msg: Hello, now: float) -> None:
+    def _refuse(self, route: bytes, who: str | None, reason: Reason, detail: str, now: float) -> None:
+        """Count, log (rate-limited) and answer a refused message; nothing else changes."""
+        name = who or f"unknown peer {route[:24]!r}"
+        self.metrics.rejected.inc(who or "?", reason.value)
+        self._refusals.warn(name, reason.value, detail, now)
+        self._reply(route, Reject(code=reason.value, detail=detail[:1024]))
+
+    def _on_hello(self, route: bytes, msg: Hello, now: float, identity: str | None = None) -> None:
+        if identity is not None and msg.client_id != identity:
+            detail = f"this key is enrolled as {identity!r}; the hello says {msg.client_id!r}"
+            self._refuse(route, identity, Reason.IDENTITY, detail, now)
+            return
         difference = self.manifest.first_difference(msg.manifest)
         if difference is not None:
             self.metrics.rejected.inc(msg.client_id, Reason.MANIFEST.value)
@@ -312,6 +444,10 @@ class Gateway:
             self._reply(route, Reject(code=Reason.MANIFEST.value, detail=detail[:1024]))
             return
         state = self.clients.get(msg.client_id)
+        if state is None and len(self.clients) >= self.options.max_clients:
+            detail = f"the gateway serves at most {self.options.max_clients} devices"
+            self._refuse(route, msg.client_id, Reason.TOO_MANY_CLIENTS, detail, now)
+            return
         if state is None:
             state = self.clients[msg.client_id] = ClientState(msg.client_id, route)
             log.info(
@@ -375,11 +511,28 @@ class Gateway:
             self._ack(route, msg.seq, True, None, "", attempt=msg.attempt)
             return
         scale = self.weighting.scale(staleness)
+        dense = [layer.payload.to_dense() for layer in msg.layers]
+        factors = [1.0] * len(dense)
+        bound = self.options.max_grad_norm
+        if bound > 0:
+            for j, (layer, tensor) in enumerate(zip(msg.layers, dense)):
+                norm = float(torch.linalg.vector_norm(tensor, dtype=torch.float32))
+                norm /= self.weighting.share(layer.count)
+                if norm <= bound:
+                    continue
+                if self.options.norm_policy == "reject":
+                    state.record(msg.seq, Reason.NORM.value, msg.attempt)
+                    detail = f"layer {layer.name}: gradient norm {norm:.4g} is over the bound {bound:.4g}"
+                    self._refusals.warn(cid, Reason.NORM.value, detail, now)
+                    self._ack(route, msg.seq, False, Reason.NORM, detail, attempt=msg.attempt)
+                    return
+                factors[j] = bound / norm
+                self.metrics.clipped.inc(cid, layer.name)
         indices = []
         count = 0
-        for layer in msg.layers:
+        for layer, tensor, factor in zip(msg.layers, dense, factors):
             i = self.layer_index[layer.name]  # the codec checked the name against the manifest
-            self.acc[i].add(layer.payload.to_dense(), self.weighting.share(layer.count), scale)
+            self.acc[i].add(cid, tensor, self.weighting.share(layer.count), scale * factor)
             self.metrics.applied.inc(cid, layer.name, by=layer.count)
             indices.append(i)
             count = max(count, layer.count)
@@ -504,6 +657,7 @@ class Gateway:
             "gateway_id": self.gateway_id,
             "version": self.version,
             "round": self.open.number,
+            "secure": self.admission is not None,
             "clients": sorted(self.clients),
             "metrics": self.metrics.registry.snapshot(),
         }

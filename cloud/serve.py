@@ -22,9 +22,18 @@ from typing import Any
 
 import torch
 
-from cloud.aggregation import CosineDecay, DeadlineQuorum, LocalProgress, SuccessWeighted, Weighting
+from cloud.admission import CurveAdmission
+from cloud.aggregation import (
+    CosineDecay,
+    DeadlineQuorum,
+    LocalProgress,
+    SuccessWeighted,
+    Weighting,
+    aggregation_named,
+)
 from cloud.config import CloudConfig
 from cloud.gateway import Gateway, GatewayOptions, RoundSummary
+from common.keys import KeyFileError
 from common.task import Task, TaskError, load_task
 
 log = logging.getLogger("elasticfed.gateway")
@@ -32,8 +41,25 @@ log = logging.getLogger("elasticfed.gateway")
 EXIT_NOT_BUILT = 69
 
 
+def load_admission(config: CloudConfig) -> CurveAdmission | None:
+    """CURVE from the `[security]` table, or None with --insecure; raises KeyFileError naming the file."""
+    sec = config.security
+    if sec.insecure:
+        return None
+    if not sec.keys_dir:
+        raise KeyFileError(
+            "CURVE is on by default: pass --security-keys-dir DIR (create it with `elasticfed keys init "
+            "--keys-dir DIR` and enrol devices with `elasticfed keys enrol`), or --insecure to accept "
+            "edges without encryption and authentication"
+        )
+    return CurveAdmission.from_folder(sec.keys_dir)
+
+
 def build_gateway(
-    config: CloudConfig, task: Task, on_round: Callable[[RoundSummary], None] | None = None
+    config: CloudConfig,
+    task: Task,
+    on_round: Callable[[RoundSummary], None] | None = None,
+    admission: CurveAdmission | None = None,
 ) -> Gateway:
     """The gateway the `[gateway]` table describes, around the task's model."""
     g = config.gateway
@@ -55,8 +81,20 @@ def build_gateway(
     return Gateway(
         model,
         optimizer,
-        GatewayOptions(bind=g.bind, credit=g.credit, window=g.window),
+        GatewayOptions(
+            bind=g.bind,
+            credit=g.credit,
+            window=g.window,
+            max_clients=g.max_clients,
+            rate_messages_per_s=g.rate_messages_per_s,
+            rate_burst=g.rate_burst,
+            rate_bytes_per_s=g.rate_bytes_per_s,
+            max_grad_norm=g.max_grad_norm,
+            norm_policy=g.norm_policy,
+        ),
         weighting=weighting,
+        aggregation=aggregation_named(g.aggregation, g.trim),
+        admission=admission,
         rounds=DeadlineQuorum(deadline_s=g.round_deadline_s, quorum=g.quorum),
         on_round=on_round,
         lr_factor=CosineDecay(g.lr_decay_rounds) if g.lr_decay_rounds else None,
@@ -87,17 +125,18 @@ def run(args: argparse.Namespace, config: CloudConfig) -> int:
             file=sys.stderr,
         )
         return EXIT_NOT_BUILT
-    if not config.security.insecure:
-        log.warning("CURVE is not built yet (issue #6): edges connect WITHOUT encryption or authentication")
     try:
         task = load_task(config.task)
-    except TaskError as exc:
+        admission = load_admission(config)
+    except (TaskError, KeyFileError) as exc:
         print(f"elasticfed cloud serve: error: {exc}", file=sys.stderr)
         return 2
+    insecure = " [INSECURE: no CURVE, anyone may push]" if admission is None else ""
 
     def on_round(summary: RoundSummary) -> None:
-        log.info(
-            "round %d -> version %d: %d edges (%d complete), %d step-gradients, staleness mean %.2f max %d",
+        log.log(
+            logging.WARNING if admission is None else logging.INFO,
+            "round %d -> version %d: %d edges (%d complete), %d step-gradients, staleness mean %.2f max %d%s",
             summary.number,
             summary.version,
             summary.clients,
@@ -105,9 +144,10 @@ def run(args: argparse.Namespace, config: CloudConfig) -> int:
             summary.steps,
             summary.staleness_mean,
             summary.staleness_max,
+            insecure,
         )
 
-    gateway = build_gateway(config, task, on_round)
+    gateway = build_gateway(config, task, on_round, admission)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -126,6 +166,8 @@ def run(args: argparse.Namespace, config: CloudConfig) -> int:
                 "accuracy": accuracy,
                 "seconds": round(time.monotonic() - started, 3),
                 "clients": status["clients"],
+                "secure": status["secure"],
+                "handshakes_refused": admission.handshakes_refused if admission is not None else 0,
                 "applied_steps": status["metrics"]["gateway_applied_steps_total"],
                 "dropped_stale_steps": status["metrics"]["gateway_dropped_stale_steps_total"],
                 "rejected_by_reason": _by_label(status["metrics"]["gateway_rejected_total"], "reason"),

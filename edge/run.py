@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from common.keys import KeyFileError, KeyPair, read_key_file
 from common.link import Faults
 from common.task import TaskError, load_task, shard
 from edge.agent import ElasticEdge
@@ -33,7 +34,28 @@ log = logging.getLogger("elasticfed.edge")
 EXIT_REFUSED = 4
 
 
-def session_options(config: EdgeConfig, client_id: str) -> SessionOptions:
+def load_curve(config: EdgeConfig) -> tuple[KeyPair, bytes] | None:
+    """This device's key pair and the gateway's public key, or None with --insecure.
+
+    Raises KeyFileError (naming the file) for a missing, unreadable or too open key file.
+    """
+    sec = config.security
+    if sec.insecure:
+        return None
+    if not sec.device_secret_key or not sec.gateway_public_key:
+        raise KeyFileError(
+            "CURVE is on by default: pass --security-device-secret-key and "
+            "--security-gateway-public-key (made with `elasticfed keys generate` and `keys init`), "
+            "or --insecure to run without encryption and authentication"
+        )
+    device = read_key_file(sec.device_secret_key, need_secret=True)
+    gateway = read_key_file(sec.gateway_public_key).public
+    return device, gateway
+
+
+def session_options(
+    config: EdgeConfig, client_id: str, curve: tuple[KeyPair, bytes] | None = None
+) -> SessionOptions:
     return SessionOptions(
         gateway=config.gateway,
         client_id=client_id,
@@ -41,6 +63,7 @@ def session_options(config: EdgeConfig, client_id: str) -> SessionOptions:
         heartbeat_s=config.heartbeat_ms / 1000.0,
         faults=Faults.parse(config.faults),
         settings={"sync_every": config.sync_every, "timeout_ms": config.timeout_ms},
+        curve=curve,
     )
 
 
@@ -65,7 +88,18 @@ def _by_layer(rows: dict[str, Any]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace, config: EdgeConfig) -> int:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    client_id = config.client_id or socket.gethostname()
+    try:
+        curve = load_curve(config)
+    except KeyFileError as exc:
+        print(f"elasticfed edge: error: {exc}", file=sys.stderr)
+        return 2
+    # With CURVE the gateway knows this device by the name its key was enrolled under; the key
+    # file's own name is the usual choice.
+    client_id = config.client_id or (curve[0].name if curve and curve[0].name else socket.gethostname())
+    if curve is None:
+        log.warning(
+            "--insecure: this agent's link to %s is NOT encrypted or authenticated", config.gateway
+        )
     if config.compression != "none":
         print(
             f"elasticfed edge: error: --compression {config.compression}: the edge pushes dense "
@@ -73,8 +107,6 @@ def run(args: argparse.Namespace, config: EdgeConfig) -> int:
             file=sys.stderr,
         )
         return 2
-    if not config.security.insecure:
-        log.warning("CURVE is not built yet (issue #6): this agent's link is NOT encrypted or authenticated")
     try:
         task = load_task(config.task)
     except TaskError as exc:
@@ -94,7 +126,7 @@ def run(args: argparse.Namespace, config: EdgeConfig) -> int:
     )
     agent = ElasticEdge(
         model,
-        session_options(config, client_id),
+        session_options(config, client_id, curve),
         sync_every=config.sync_every,
         pack_cap_bytes=config.pack_cap_kib * 1024,
     )

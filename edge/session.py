@@ -35,6 +35,13 @@ pushes, one unanswered push per unit, and keeps the protocol's promises:
 
 Faults, when given, are injected here in-process on both directions, which is
 how tests and the demo make a loopback link lossy, late, duplicating or down.
+
+With `curve` set (the default in `elasticfed edge`), the socket is a CURVE
+client of the gateway's public key.  A handshake the gateway's ZAP handler
+refuses (this key is not enrolled, or was revoked) ends the session with
+`EdgeRefused`, as does a gateway that refuses this device's identity; a
+handshake that fails for other reasons (most often the wrong gateway public
+key) is logged and retried.
 """
 
 from __future__ import annotations
@@ -50,7 +57,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
+from common.keys import KeyPair, configure_client
 from common.link import Backoff, Faults, FaultyChannel
 from common.metrics import LATENCY_BUCKETS_S, STALENESS_BUCKETS, Metrics
 from edge.cache import Flight, GradientCache
@@ -93,6 +102,8 @@ class SessionOptions:
     faults: Faults = field(default_factory=Faults)
     limits: Limits = DEFAULT_LIMITS
     settings: dict[str, object] = field(default_factory=dict)  # told to the gateway in hello
+    # (this device's key pair, the gateway's public key), both Z85; None: no CURVE (--insecure)
+    curve: tuple[KeyPair, bytes] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0 or self.heartbeat_s <= 0:
@@ -107,6 +118,21 @@ class SessionOptions:
 
 class EdgeRefused(RuntimeError):
     """The gateway refused this edge for good (e.g. its model does not match); the text says why."""
+
+
+# Refusals after which trying again cannot help: the operator has to act.
+_FATAL_REJECTS = {
+    Reason.MANIFEST.value: "the gateway refused this edge's model",
+    Reason.UNAUTHENTICATED.value: "the gateway does not accept this device's key (not enrolled, or revoked)",
+    Reason.IDENTITY.value: "the gateway refused this device's name",
+    Reason.TOO_MANY_CLIENTS.value: "the gateway is full",
+}
+_HANDSHAKE_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
 
 
 class EdgeMetrics:
@@ -140,6 +166,9 @@ class EdgeMetrics:
             STALENESS_BUCKETS,
         )
         self.reconnects = m.counter("edge_reconnects_total", "sockets closed and opened again after silence")
+        self.handshake_failures = m.counter(
+            "edge_handshake_failures_total", "CURVE handshakes with the gateway that failed", ["kind"]
+        )
         self.models = m.counter("edge_models_received_total", "model versions received")
         self.pushes = m.counter("edge_pushes_total", "push messages sent (first sends and re-sends)")
 
@@ -182,6 +211,9 @@ class EdgeSession:
         self._flights: dict[int, int] = {}  # seq -> unit
         self._outstanding_n = 0  # flights sent whose deadline has not passed
         self._sock: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None  # handshake events of the CURVE socket
+        self._monitors = itertools.count()
+        self._poller: zmq.Poller | None = None
         # Send time of the newest request answered since the last tick: on a FIFO link a weak
         # push sent before it, still unanswered, was lost rather than late.
         self._answer_covers = -math.inf
@@ -270,7 +302,7 @@ class EdgeSession:
 
     # ================================================================= I/O thread
     def _run(self) -> None:
-        poller = zmq.Poller()
+        poller = self._poller = zmq.Poller()
         poller.register(self._wake_rx, zmq.POLLIN)
         try:
             while not self._stop.is_set():
@@ -285,6 +317,8 @@ class EdgeSession:
                         self._wake_pending = False
                     while self._wake_rx.poll(0):
                         self._wake_rx.recv()
+                if self._monitor is not None and events.get(self._monitor):
+                    self._on_monitor(now)
                 if self._sock is not None and events.get(self._sock):
                     self._receive(now)
                 self._tick(self.clock())
@@ -295,8 +329,7 @@ class EdgeSession:
             self._error = RuntimeError(f"edge I/O thread failed: {type(exc).__name__}: {exc}")
             log.exception("edge I/O thread failed")
         finally:
-            if self._sock is not None:
-                self._sock.close(linger=0)
+            self._close_socket()
             self._wake_rx.close(linger=0)
 
     def _next_wakeup(self, now: float) -> float:
@@ -328,6 +361,12 @@ class EdgeSession:
         # A stable routing id: the gateway (ROUTER_HANDOVER) hands it to the newest connection.
         sock.setsockopt(zmq.ROUTING_ID, self.options.client_id.encode())
         apply_limits(sock, self.options.limits)
+        if self.options.curve is not None:
+            configure_client(sock, *self.options.curve)
+            self._monitor = sock.get_monitor_socket(
+                _HANDSHAKE_EVENTS, addr=f"inproc://elasticfed-edge-monitor-{id(self)}-{next(self._monitors)}"
+            )
+            poller.register(self._monitor, zmq.POLLIN)
         sock.connect(self.options.gateway)
         self._sock = sock
         poller.register(sock, zmq.POLLIN)
@@ -340,9 +379,7 @@ class EdgeSession:
     def _reconnect(self, now: float) -> None:
         assert self._sock is not None
         silent = now - self._last_recv
-        self._poller.unregister(self._sock)
-        self._sock.close(linger=0)
-        self._sock = None
+        self._close_socket()
         self.metrics.reconnects.inc()
         self._grace = self._backoff.next_delay()
         for u in self._flights.values():  # whatever was outstanding is lost with the socket
@@ -355,6 +392,40 @@ class EdgeSession:
         self._model_asked_at = self._model_first_ask = -1.0  # ask again on the new connection
         log.info("no answer from %s for %.1f s: reconnecting", self.options.gateway, silent)
         self._connect(self._poller, now)
+
+    def _close_socket(self) -> None:
+        assert self._poller is not None
+        if self._monitor is not None:
+            self._poller.unregister(self._monitor)
+            if self._sock is not None:
+                self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
+        if self._sock is not None:
+            self._poller.unregister(self._sock)
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def _on_monitor(self, now: float) -> None:
+        assert self._monitor is not None
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)
+            kind = event["event"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                continue
+            if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self.metrics.handshake_failures.inc("refused")
+                raise EdgeRefused(
+                    f"the gateway at {self.options.gateway} refused this device's CURVE key "
+                    f"(ZAP status {event['value']}): it is not enrolled there, or it was revoked; "
+                    f"enrol it with `elasticfed keys enrol`"
+                )
+            self.metrics.handshake_failures.inc("failed")
+            log.error(
+                "CURVE handshake with %s failed: is the gateway public key (--security-gateway-public-key) "
+                "the key of the gateway at that address? retrying",
+                self.options.gateway,
+            )
 
     def _say_hello(self, now: float) -> None:
         hello = Hello(
@@ -626,13 +697,16 @@ class EdgeSession:
                 log.error("gateway refused push %d (%s): %s", seq, code, detail)
 
     def _on_reject(self, msg: Reject, now: float) -> None:
-        if msg.code == Reason.MANIFEST.value:
-            raise EdgeRefused(f"the gateway refused this edge's model: {msg.detail}")
+        if msg.code in _FATAL_REJECTS:
+            raise EdgeRefused(f"{_FATAL_REJECTS[msg.code]}: {msg.detail}")
         if msg.code == Reason.NOT_WELCOMED.value:
             self.welcomed = False
             self._say_hello(now)
             return
         self.metrics.rejected.inc(msg.code)
+        if msg.code == Reason.RATE_LIMITED.value:  # the push stays cached and goes again later
+            log.debug("gateway rate-limited this edge: %s", msg.detail)
+            return
         log.error("gateway rejected a message (%s): %s", msg.code, msg.detail)
 
     # -------------------------------------------------------------------- models

@@ -3,7 +3,7 @@
 Knows bytes, tensors and messages; nothing of training.
 """
 
-from protocol.codec import DEFAULT_LIMITS, Limits, apply_limits, decode, encode, frame_bytes
+from protocol.codec import DEFAULT_LIMITS, Limits, apply_limits, decode, encode, frame_bytes, limits_for
 from protocol.errors import ProtocolError, Reason
 from protocol.manifest import LayerSpec, Manifest
 from protocol.messages import (
@@ -54,4 +54,5 @@ __all__ = [
     "decode",
     "encode",
     "frame_bytes",
+    "limits_for",
 ]

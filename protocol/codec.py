@@ -72,6 +72,28 @@ class Limits:
 DEFAULT_LIMITS = Limits()
 
 
+def limits_for(manifest: Manifest, base: Limits = DEFAULT_LIMITS) -> Limits:
+    """The tightest caps a well-formed message about this model can meet.
+
+    The largest frame is a layer in float64 (or a top-k index frame of int64);
+    a message holds at most every layer twice (low-rank and top-k send two
+    frames each); the header holds at most a manifest (a hello).  A hostile
+    peer can then make the gateway allocate no more than one such message per
+    connection, instead of `base`'s generic 256 MiB.
+    """
+    layers = list(manifest)
+    largest = max((spec.numel for spec in layers), default=0)
+    total = sum(spec.numel for spec in layers)
+    header = 64 * 2**10 + sum(256 + 16 * len(spec.shape) + len(spec.name.encode()) for spec in layers)
+    return dataclasses.replace(
+        base,
+        max_message_bytes=min(base.max_message_bytes, header + 2 * 8 * total),
+        max_header_bytes=min(base.max_header_bytes, header),
+        max_frames=min(base.max_frames, 1 + 2 * len(layers)),
+        max_layer_elements=min(base.max_layer_elements, max(largest, 1)),
+    )
+
+
 # ---------------------------------------------------------------- encoding
 
 

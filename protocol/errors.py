@@ -34,6 +34,12 @@ class Reason(str, enum.Enum):
     STALE = "stale"  # based on a model too many versions old; dropped and counted
     NOT_WELCOMED = "not_welcomed"  # a push before a hello (e.g. the gateway restarted)
     WINDOW = "window"  # seq too far ahead of the oldest unanswered one; resend later
+    NORM = "norm"  # a layer's gradient norm is over the gateway's bound (policy: reject)
+    RATE_LIMITED = "rate_limited"  # more messages or bytes per second than allowed; resend later
+    # Who is talking:
+    UNAUTHENTICATED = "unauthenticated"  # no enrolled CURVE key behind the message (or it was revoked)
+    IDENTITY = "identity"  # a hello naming another device than the one its key was enrolled as
+    TOO_MANY_CLIENTS = "too_many_clients"  # the gateway's client table is full
 
 
 class ProtocolError(Exception):

@@ -117,7 +117,7 @@ def test_cli_bad_value_exits_2_naming_the_flag(capsys: pytest.CaptureFixture[str
     assert "--timeout-ms: must be >= 1, got -5" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [["keys", "list"], ["cloud", "serve", "--mode", "hybrid"]])
+@pytest.mark.parametrize("argv", [["cloud", "serve", "--mode", "hybrid", "--insecure"]])
 def test_unbuilt_commands_say_so_and_fail(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
     assert main(argv) == EXIT_NOT_BUILT
     assert "not built yet" in capsys.readouterr().err

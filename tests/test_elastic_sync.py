@@ -39,7 +39,9 @@ def test_a_lossless_round_equals_the_hand_computed_success_weighted_step(tmp_pat
         rounds=DeadlineQuorum(deadline_s=120.0, quorum=2),  # the round waits for both edges
     )
     stop = threading.Event()
-    serving = threading.Thread(target=gateway.serve, args=(stop, 1), daemon=True)  # one round, then stop
+    # Serve until the edges are done: a gateway that stops right after the round can take the
+    # last acks with it (an edge with ZMQ_IMMEDIATE drops unread replies when the peer goes).
+    serving = threading.Thread(target=gateway.serve, args=(stop,), daemon=True)
     serving.start()
     endpoint = gateway.wait_bound(10)
     ctx = mp.get_context("spawn")
@@ -53,8 +55,9 @@ def test_a_lossless_round_equals_the_hand_computed_success_weighted_step(tmp_pat
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
+    stop.set()
     serving.join(30)
-    assert not serving.is_alive() and gateway.version == 1
+    assert not serving.is_alive() and gateway.version == 1  # one round: both edges, once each
     pushed = {c: torch.load(tmp_path / f"{c}.pt", weights_only=True) for c in runs}
     assert all(r["delivered"] for r in pushed.values())
     total = sum(r["count"] for r in pushed.values())

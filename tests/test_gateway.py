@@ -242,8 +242,8 @@ def test_round_policy_closes_on_quorum_or_deadline() -> None:
 def test_accumulator_and_weighting_validate() -> None:
     acc = LayerAccumulator(3)
     assert acc.average() is None
-    acc.add(torch.ones(3) * 2, 2, 1.0)  # sums of 2 step-gradients each
-    acc.add(torch.ones(3) * 8, 2, 0.5)
+    acc.add("a", torch.ones(3) * 2, 2, 1.0)  # sums of 2 step-gradients each
+    acc.add("b", torch.ones(3) * 8, 2, 0.5)
     torch.testing.assert_close(acc.average(), torch.full((3,), (2 + 0.5 * 8) / 4))
     with pytest.raises(ValueError, match="discount"):
         SuccessWeighted(discount=0.0)

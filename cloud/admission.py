@@ -1,0 +1,100 @@
+"""Who may talk to the gateway: CURVE with a ZAP handler that allows enrolled keys only.
+
+Two checks, so that a revocation needs no restart:
+
+- at the handshake, pyzmq's ZAP authenticator (its own thread) asks
+  `EnrolledDevices` whether the client's public key is enrolled, and stamps the
+  connection with the device's name as its ZeroMQ User-Id;
+- on every message, the gateway reads that User-Id from the frame and asks
+  again: a device revoked while connected is refused from its next message.
+
+The device's identity is therefore the name its key was enrolled under, never
+what it writes in a header.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+from common.keys import EnrolledDevices, KeyFolder, KeyPair
+
+log = logging.getLogger("elasticfed.gateway")
+
+ZAP_DOMAIN = "elasticfed"
+
+
+class _Authenticator(ThreadAuthenticator):
+    """pyzmq's ZAP thread, with the device name as User-Id and a log line per refusal."""
+
+    def __init__(self, context: zmq.Context, admission: CurveAdmission) -> None:
+        super().__init__(context, log=logging.getLogger("elasticfed.zap"))
+        self.devices = admission.devices
+        self.admission = admission
+        self._address = ""
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        self._address = msg[3].decode("utf-8", "replace") if len(msg) > 3 else "?"
+        await super().handle_zap_message(msg)
+
+    def callback(self, domain: str, key: bytes) -> bool:  # the credentials provider's hook
+        name = self.devices.device_for(key)
+        if name is None:
+            self.admission.handshakes_refused += 1
+            log.warning(
+                "refused a CURVE handshake from %s: public key %s is not enrolled",
+                self._address,
+                key.decode("ascii", "replace"),
+            )
+        return name is not None
+
+    def curve_user_id(self, client_public_key: bytes) -> str:
+        return self.devices.device_for(zmq.utils.z85.encode(client_public_key)) or ""
+
+
+class CurveAdmission:
+    """CURVE server keys, the ZAP thread and the per-message identity check, for one ROUTER socket."""
+
+    def __init__(self, keys: KeyPair, devices: EnrolledDevices) -> None:
+        if keys.secret is None:
+            raise ValueError("the gateway needs its secret key")
+        self.keys = keys
+        self.devices = devices
+        self.handshakes_refused = 0  # counted by the ZAP thread
+        self._auth: _Authenticator | None = None
+
+    @classmethod
+    def from_folder(cls, folder: str) -> CurveAdmission:
+        """The gateway's key folder (see common/keys.py); raises KeyFileError naming what is wrong."""
+        keys = KeyFolder(folder)
+        pair = keys.gateway_keys()
+        return cls(pair, EnrolledDevices(keys.enrolled_dir))
+
+    def secure(self, sock: zmq.Socket) -> None:
+        """Before bind: CURVE server on `sock`, with the ZAP thread started in its context."""
+        if self._auth is None:
+            self._auth = _Authenticator(sock.context, self)
+            self._auth.start()
+            self._auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=self._auth)
+        sock.curve_server = True
+        sock.curve_publickey = self.keys.public
+        sock.curve_secretkey = self.keys.secret
+        sock.zap_domain = ZAP_DOMAIN.encode()
+
+    def identity(self, frame: Any) -> str | None:
+        """The enrolled name behind a received frame, or None if it has none (or was revoked since)."""
+        try:
+            name = frame.get("User-Id")
+        except (AttributeError, zmq.ZMQError):
+            return None
+        if not name or not self.devices.is_enrolled(name):
+            return None
+        return str(name)
+
+    def close(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None

@@ -1,0 +1,334 @@
+"""CURVE keys on disk and the gateway's list of enrolled devices.
+
+Key files use the ZeroMQ certificate format (the one czmq's zcert and
+`zmq.auth.load_certificate` read), so other ZeroMQ tools can use them:
+`NAME.key` holds the public key, `NAME.key_secret` the public and the secret
+key and is written with mode 0600.  A secret key file readable by others is
+refused, as ssh refuses such a private key.
+
+The gateway's key folder (`elasticfed keys init --keys-dir DIR`):
+
+    DIR/gateway.key            the gateway's public key: give it to every device
+    DIR/gateway.key_secret     its secret key (0600)
+    DIR/enrolled/NAME.key      one public key per allowed device; NAME is its client id
+    DIR/revoked/NAME.key       keys taken out of enrolled/ (kept, for the record)
+
+`EnrolledDevices` reads `enrolled/` and notices changes while the gateway
+runs, which is how a revocation takes effect without a restart.  Nothing here
+ever logs or prints a secret key.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import stat
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+
+GATEWAY_NAME = "gateway"
+PUBLIC_SUFFIX = ".key"
+SECRET_SUFFIX = ".key_secret"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_Z85 = re.compile(r"^[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")
+_LINE = re.compile(r'^\s*(public-key|secret-key|name)\s*=\s*"([^"]*)"\s*$')
+
+
+class KeyFileError(ValueError):
+    """A key file or key folder is wrong; the message names the file and the problem."""
+
+
+def check_name(name: str) -> str:
+    """Device names become file names and client ids: letters, digits, '.', '_', '-'."""
+    if not _NAME.match(name) or name.endswith((PUBLIC_SUFFIX, SECRET_SUFFIX)):
+        raise KeyFileError(
+            f"device name {name!r} must be 1-64 letters, digits, '.', '_' or '-', starting with a "
+            "letter or digit"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class KeyPair:
+    """Z85 text of a CURVE key pair; `secret` is None for a public key file."""
+
+    public: bytes
+    secret: bytes | None = None
+    name: str = ""  # the file's metadata name, if any
+
+    def __repr__(self) -> str:  # never show a secret key, even in a traceback
+        hidden = "<hidden>" if self.secret else None
+        return f"KeyPair(name={self.name!r}, public={self.public.decode()!r}, secret={hidden})"
+
+
+def _render(name: str, public: bytes, secret: bytes | None) -> str:
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    kind = "**Secret** Certificate" if secret else "Public Certificate"
+    lines = [
+        f"#   ****  Generated on {stamp} by elasticfed  ****",
+        f"#   ZeroMQ CURVE {kind}",
+    ]
+    if secret:
+        lines.append("#   DO NOT PROVIDE THIS FILE TO OTHER USERS nor change its permissions.")
+    lines += ["", "metadata", f'    name = "{name}"', "curve", f'    public-key = "{public.decode()}"']
+    if secret:
+        lines.append(f'    secret-key = "{secret.decode()}"')
+    return "\n".join(lines) + "\n"
+
+
+def _write_atomic(path: Path, text: str, mode: int, replace: bool) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)  # whatever the umask
+        if replace:
+            os.replace(tmp, path)
+        else:
+            os.link(tmp, path)  # fails if `path` exists: never overwrite a key by accident
+            os.unlink(tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def read_key_file(path: str | os.PathLike[str], need_secret: bool = False) -> KeyPair:
+    """Parse a key file; with `need_secret`, also check it holds a secret key that only its owner reads."""
+    path = Path(path)
+    try:
+        st = path.stat()
+        text = path.read_text(encoding="ascii")
+    except FileNotFoundError:
+        raise KeyFileError(f"{path}: no such key file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise KeyFileError(f"{path}: cannot read the key file ({exc})") from None
+    if st.st_size > 4096:
+        raise KeyFileError(f"{path}: {st.st_size} bytes is too large for a key file")
+    values: dict[str, str] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        match = _LINE.match(line)
+        if match:
+            key, value = match.groups()
+            if key != "name" and not _Z85.match(value):
+                raise KeyFileError(f"{path}: line {number}: {key} is not 40 Z85 characters")
+            values[key] = value
+    if "public-key" not in values:
+        raise KeyFileError(f"{path}: no public-key line; is this a ZeroMQ certificate?")
+    public = values["public-key"].encode()
+    secret = values["secret-key"].encode() if "secret-key" in values else None
+    if need_secret:
+        if secret is None:
+            raise KeyFileError(f"{path}: holds no secret-key (a .key file is the public half)")
+        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise KeyFileError(
+                f"{path}: a secret key must be readable by its owner only "
+                f"(mode {stat.S_IMODE(st.st_mode):04o}); run: chmod 600 {path}"
+            )
+        if zmq.curve_public(secret) != public:
+            raise KeyFileError(f"{path}: the public key does not belong to the secret key")
+    return KeyPair(public, secret, values.get("name", ""))
+
+
+def generate(name: str, directory: str | os.PathLike[str], force: bool = False) -> tuple[Path, Path]:
+    """A new key pair as `NAME.key` and `NAME.key_secret` (0600) in `directory`."""
+    check_name(name)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    public_path = directory / f"{name}{PUBLIC_SUFFIX}"
+    secret_path = directory / f"{name}{SECRET_SUFFIX}"
+    if not force:
+        for p in (public_path, secret_path):
+            if p.exists():
+                raise KeyFileError(f"{p}: exists already (pass --force to replace the key pair)")
+    public, secret = zmq.curve_keypair()
+    _write_atomic(secret_path, _render(name, public, secret), 0o600, replace=force)
+    _write_atomic(public_path, _render(name, public, None), 0o644, replace=force)
+    return public_path, secret_path
+
+
+@dataclass(frozen=True)
+class DeviceEntry:
+    name: str
+    public: str
+    status: str  # "enrolled" or "revoked"
+    since: float  # when the key file got its place (enrolment or revocation), seconds since the epoch
+
+
+class KeyFolder:
+    """The gateway's key folder: its own key pair, enrolled and revoked device keys."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self.enrolled_dir = self.root / "enrolled"
+        self.revoked_dir = self.root / "revoked"
+
+    @property
+    def public_path(self) -> Path:
+        return self.root / f"{GATEWAY_NAME}{PUBLIC_SUFFIX}"
+
+    @property
+    def secret_path(self) -> Path:
+        return self.root / f"{GATEWAY_NAME}{SECRET_SUFFIX}"
+
+    def init(self, force: bool = False) -> Path:
+        """Create the folder and the gateway's key pair; returns the public key file to hand out."""
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for d in (self.enrolled_dir, self.revoked_dir):
+            d.mkdir(exist_ok=True, mode=0o700)
+        if self.secret_path.exists() and not force:
+            read_key_file(self.secret_path, need_secret=True)  # an existing folder must be sound
+            return self.public_path
+        public, _ = generate(GATEWAY_NAME, self.root, force=force)
+        return public
+
+    def gateway_keys(self) -> KeyPair:
+        if not self.root.is_dir():
+            raise KeyFileError(f"{self.root}: no such key folder; create it with `elasticfed keys init`")
+        return read_key_file(self.secret_path, need_secret=True)
+
+    def enrol(self, name: str, key_file: str | os.PathLike[str], force: bool = False) -> Path:
+        """Allow the device whose public key is in `key_file` (a .key or .key_secret file) as `name`."""
+        check_name(name)
+        if name == GATEWAY_NAME:
+            raise KeyFileError(f"{name!r} is the gateway's own name; choose another device name")
+        self._need_folder()
+        public = read_key_file(key_file).public  # only the public half is ever copied
+        for entry in self.entries():
+            if entry.status == "enrolled" and entry.public == public.decode() and entry.name != name:
+                raise KeyFileError(f"{key_file}: this key is enrolled already, as {entry.name!r}")
+        target = self.enrolled_dir / f"{name}{PUBLIC_SUFFIX}"
+        if target.exists() and read_key_file(target).public != public and not force:
+            raise KeyFileError(
+                f"{target}: device {name!r} is enrolled with another key (pass --force to replace it)"
+            )
+        (self.revoked_dir / f"{name}{PUBLIC_SUFFIX}").unlink(missing_ok=True)
+        _write_atomic(target, _render(name, public, None), 0o644, replace=True)
+        return target
+
+    def revoke(self, name: str) -> Path:
+        """Move the key out of enrolled/: new handshakes fail, the gateway refuses its messages."""
+        check_name(name)
+        self._need_folder()
+        source = self.enrolled_dir / f"{name}{PUBLIC_SUFFIX}"
+        if not source.exists():
+            raise KeyFileError(f"{source}: device {name!r} is not enrolled")
+        target = self.revoked_dir / f"{name}{PUBLIC_SUFFIX}"
+        os.replace(source, target)
+        return target
+
+    def entries(self) -> list[DeviceEntry]:
+        out = []
+        for status, folder in (("enrolled", self.enrolled_dir), ("revoked", self.revoked_dir)):
+            if not folder.is_dir():
+                continue
+            for path in sorted(folder.glob(f"*{PUBLIC_SUFFIX}")):
+                out.append(
+                    DeviceEntry(
+                        path.name[: -len(PUBLIC_SUFFIX)],
+                        read_key_file(path).public.decode(),
+                        status,
+                        path.stat().st_mtime,
+                    )
+                )
+        return out
+
+    def _need_folder(self) -> None:
+        if not self.enrolled_dir.is_dir():
+            raise KeyFileError(
+                f"{self.root}: not a key folder (no enrolled/); create it with `elasticfed keys init`"
+            )
+
+
+class EnrolledDevices:
+    """The live allow-list: public key -> device name, re-read when `enrolled/` changes.
+
+    Thread-safe: the ZAP handler (its own thread) and the gateway's thread both
+    ask it.  A revocation is noticed within `refresh_s`; a key not found sends
+    it to the folder at once (a device enrolled a moment ago must not be refused).
+    A file that cannot be read is left out (see `problems`) rather than
+    stopping the gateway.
+    """
+
+    def __init__(self, folder: str | os.PathLike[str], refresh_s: float = 0.25) -> None:
+        self.folder = Path(folder)
+        if not self.folder.is_dir():
+            raise KeyFileError(f"{self.folder}: no such folder of enrolled device keys")
+        self.refresh_s = refresh_s
+        self._lock = threading.Lock()
+        self._signature: tuple = ()
+        self._checked = -1e18
+        self._by_key: dict[bytes, str] = {}
+        self._names: frozenset[str] = frozenset()
+        self.problems: list[str] = []
+        self.reloads = 0
+        self.refresh(force=True)
+
+    def refresh(self, force: bool = False) -> bool:
+        """Re-read the folder if it changed (at most every `refresh_s`); True if it did."""
+        now = time.monotonic()
+        with self._lock:
+            if not force and now - self._checked < self.refresh_s:
+                return False
+            self._checked = now
+            try:
+                with os.scandir(self.folder) as it:
+                    files = sorted(
+                        (e.name, e.stat().st_mtime_ns, e.stat().st_size)
+                        for e in it
+                        if e.name.endswith(PUBLIC_SUFFIX) and not e.name.startswith(".")
+                    )
+            except OSError as exc:
+                self.problems = [f"{self.folder}: cannot list ({exc}); keeping the previous list"]
+                return False
+            signature = tuple(files)
+            if signature == self._signature and not force:
+                return False
+            by_key: dict[bytes, str] = {}
+            problems = []
+            for name, _, _ in files:
+                device = name[: -len(PUBLIC_SUFFIX)]
+                try:
+                    check_name(device)
+                    public = read_key_file(self.folder / name).public
+                except KeyFileError as exc:
+                    problems.append(str(exc))
+                    continue
+                by_key[public] = device
+            self._signature = signature
+            self._by_key = by_key
+            self._names = frozenset(by_key.values())
+            self.problems = problems
+            self.reloads += 1
+            return True
+
+    def device_for(self, public_z85: bytes) -> str | None:
+        self.refresh()
+        name = self._by_key.get(public_z85)
+        if name is None and self.refresh(force=True):  # enrolled a moment ago?
+            name = self._by_key.get(public_z85)
+        return name
+
+    def is_enrolled(self, name: str) -> bool:
+        self.refresh()
+        return name in self._names or (self.refresh(force=True) and name in self._names)
+
+    def names(self) -> frozenset[str]:
+        self.refresh()
+        return self._names
+
+
+def configure_client(sock: zmq.Socket, device: KeyPair, gateway_public: bytes) -> None:
+    """Make `sock` a CURVE client that talks only to the gateway holding `gateway_public`'s secret."""
+    if device.secret is None:
+        raise KeyFileError("a device needs its secret key to connect")
+    sock.curve_serverkey = gateway_public
+    sock.curve_publickey = device.public
+    sock.curve_secretkey = device.secret

@@ -1,0 +1,271 @@
+"""Only enrolled devices get in (DESIGN.md guarantee 4): keys on disk, CURVE, ZAP, revocation, identity.
+
+A real gateway serves on a real socket in a thread; devices are scripted
+protocol clients (tests/scripted.py) or the real edge session.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from scripted import NoReply, ScriptedDevice
+
+from cloud.admission import CurveAdmission
+from cloud.aggregation import DeadlineQuorum
+from cloud.gateway import Gateway, GatewayOptions
+from common.cli import main
+from common.keys import EnrolledDevices, KeyFileError, KeyFolder, generate, read_key_file
+from edge.agent import ElasticEdge
+from edge.session import EdgeRefused, SessionOptions
+from protocol import Ack, Manifest, Reject, Welcome
+
+
+def small_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+# ------------------------------------------------------------------- key files
+
+
+def test_generated_secret_keys_are_private_and_loadable_by_zmq_tools(tmp_path: Path) -> None:
+    import zmq.auth
+
+    public, secret = generate("cam-7", tmp_path / "dev")
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    pair = read_key_file(secret, need_secret=True)
+    assert pair.name == "cam-7" and pair.secret is not None
+    assert zmq.auth.load_certificate(secret) == (pair.public, pair.secret)  # czmq/pyzmq format
+    assert zmq.auth.load_certificate(public) == (pair.public, None)
+    assert pair.secret.decode() not in repr(pair)  # never shown, even in a traceback
+    with pytest.raises(KeyFileError, match="exists already"):
+        generate("cam-7", tmp_path / "dev")
+
+
+def test_a_secret_key_others_can_read_is_refused(tmp_path: Path) -> None:
+    _, secret = generate("cam-7", tmp_path)
+    os.chmod(secret, 0o644)
+    with pytest.raises(KeyFileError, match=r"readable by its owner only.*chmod 600"):
+        read_key_file(secret, need_secret=True)
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("hello\n", "no public-key line"),
+        ('curve\n    public-key = "short"\n', "line 2: public-key is not 40 Z85 characters"),
+        ("", "no public-key line"),
+    ],
+)
+def test_broken_key_files_are_refused_naming_the_file(tmp_path: Path, text: str, problem: str) -> None:
+    path = tmp_path / "x.key"
+    path.write_text(text)
+    with pytest.raises(KeyFileError, match=problem) as info:
+        read_key_file(path)
+    assert str(path) in str(info.value)
+
+
+def test_enrol_revoke_list_through_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    keys = tmp_path / "gw"
+    assert main(["keys", "init", "--keys-dir", str(keys)]) == 0
+    assert main(["keys", "generate", "--name", "cam-7", "--out-dir", str(tmp_path / "dev")]) == 0
+    secret_text = read_key_file(tmp_path / "dev" / "cam-7.key_secret", need_secret=True).secret
+    assert secret_text is not None
+    assert (
+        main(["keys", "enrol", "--keys-dir", str(keys), "--public-key", str(tmp_path / "dev/cam-7.key")]) == 0
+    )
+    # The same key under another name is refused; so is a name given twice with another key.
+    assert main(["keys", "enrol", "--keys-dir", str(keys), "--public-key",
+                 str(tmp_path / "dev/cam-7.key"), "--name", "cam-8"]) == 2  # fmt: skip
+    generate("other", tmp_path / "dev")
+    assert main(["keys", "enrol", "--keys-dir", str(keys), "--public-key",
+                 str(tmp_path / "dev/other.key"), "--name", "cam-7"]) == 2  # fmt: skip
+    assert main(["keys", "list", "--keys-dir", str(keys), "--json"]) == 0
+    assert main(["keys", "revoke", "--keys-dir", str(keys), "--name", "cam-7"]) == 0
+    assert main(["keys", "revoke", "--keys-dir", str(keys), "--name", "cam-7"]) == 2  # not enrolled now
+    assert main(["keys", "list", "--keys-dir", str(keys)]) == 0
+    out, err = capsys.readouterr()
+    assert '"name": "cam-7", "status": "enrolled"' in out and "cam-7" in out and "revoked" in out
+    assert "enrolled already, as 'cam-7'" in err and "enrolled with another key" in err
+    assert secret_text.decode() not in out + err  # secret keys are never printed
+    assert [e.status for e in KeyFolder(keys).entries()] == ["revoked"]
+
+
+def test_the_allow_list_follows_the_folder_while_running(tmp_path: Path) -> None:
+    folder = KeyFolder(tmp_path / "gw")
+    folder.init()
+    devices = EnrolledDevices(folder.enrolled_dir, refresh_s=0.0)
+    public, _ = generate("cam-1", tmp_path / "dev")
+    key = read_key_file(public).public
+    assert devices.device_for(key) is None
+    folder.enrol("cam-1", public)
+    assert devices.device_for(key) == "cam-1" and devices.is_enrolled("cam-1")
+    folder.revoke("cam-1")
+    assert devices.device_for(key) is None and not devices.is_enrolled("cam-1")
+
+
+# -------------------------------------------------------------- live gateway
+
+
+class Fleet:
+    """A CURVE gateway in a thread plus a key folder to enrol devices in."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.keys = KeyFolder(root / "gw")
+        self.gateway_public = read_key_file(self.keys.init()).public
+        self.model = small_model()
+        self.manifest = Manifest.from_parameters(self.model.named_parameters())
+        self.admission = CurveAdmission.from_folder(str(self.keys.root))
+        self.admission.devices.refresh_s = 0.05
+        self.gateway = Gateway(
+            self.model,
+            torch.optim.SGD(self.model.parameters(), lr=0.1),
+            GatewayOptions(bind="tcp://127.0.0.1:0"),
+            rounds=DeadlineQuorum(deadline_s=60.0, quorum=1),
+            admission=self.admission,
+        )
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.gateway.serve, args=(self.stop,), daemon=True)
+        self.thread.start()
+        self.endpoint = self.gateway.wait_bound(10)
+
+    def device_keys(self, name: str, enrol: bool = True) -> tuple:
+        public, secret = generate(name, self.root / "devices")
+        if enrol:
+            self.keys.enrol(name, public)
+        return read_key_file(secret, need_secret=True), self.gateway_public
+
+    def device(self, name: str, enrol: bool = True, **kw: object) -> ScriptedDevice:
+        return ScriptedDevice(self.endpoint, name, self.manifest, curve=self.device_keys(name, enrol), **kw)
+
+    def grads(self, value: float = 0.01) -> dict[str, torch.Tensor]:
+        return {s.name: torch.full(s.shape, value) for s in self.manifest}
+
+    def rejected(self) -> dict[str, float]:
+        return dict(self.gateway.status()["metrics"]["gateway_rejected_total"])
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    f = Fleet(tmp_path)
+    yield f
+    f.close()
+
+
+def test_an_enrolled_device_connects_and_its_push_is_applied(fleet: Fleet) -> None:
+    dev = fleet.device("cam-1")
+    assert isinstance(dev.hello(), Welcome)
+    answer = dev.push(fleet.grads())
+    assert isinstance(answer, Ack) and answer.accepted
+    assert dev.wait_version(1) == 1
+    assert fleet.gateway.clients.keys() == {"cam-1"}
+
+
+def test_no_key_wrong_key_and_wrong_gateway_key_get_nothing_and_others_go_on(fleet: Fleet) -> None:
+    good = fleet.device("cam-1")
+    assert isinstance(good.hello(), Welcome)
+    no_key = ScriptedDevice(fleet.endpoint, "intruder", fleet.manifest)  # NULL mechanism
+    wrong_key = fleet.device("stranger", enrol=False)
+    pair, _ = fleet.device_keys("cam-2")
+    other_gateway = ScriptedDevice(
+        fleet.endpoint,
+        "cam-2",
+        fleet.manifest,
+        curve=(pair, read_key_file(generate("fake", fleet.root)[0]).public),
+    )
+    for dev in (no_key, wrong_key, other_gateway):
+        with pytest.raises(NoReply):
+            dev.hello(timeout_s=1.0)
+        with pytest.raises(NoReply):
+            dev.push(fleet.grads(100.0))
+    assert isinstance(good.push(fleet.grads()), Ack)
+    assert good.wait_version(1) == 1
+    assert fleet.gateway.clients.keys() == {"cam-1"}
+    assert fleet.admission.handshakes_refused >= 1  # the unenrolled key, refused by ZAP
+
+
+def test_revocation_takes_effect_on_a_live_connection_without_restart(fleet: Fleet) -> None:
+    a, b = fleet.device("cam-a"), fleet.device("cam-b")
+    assert isinstance(a.hello(), Welcome) and isinstance(b.hello(), Welcome)
+    assert isinstance(a.push(fleet.grads()), Ack)
+    fleet.keys.revoke("cam-a")
+    deadline = time.monotonic() + 5.0
+    while True:  # the allow-list is re-read within refresh_s
+        answer = a.ask(a.push_message(fleet.grads(5.0)))
+        if isinstance(answer, Reject):
+            break
+        assert time.monotonic() < deadline, "revocation not noticed within 5 s"
+        time.sleep(0.05)
+    assert answer.code == "unauthenticated"
+    a.reopen()  # and it cannot come back in: the handshake is refused now
+    with pytest.raises(NoReply):
+        a.hello(timeout_s=1.0)
+    assert isinstance(b.push(fleet.grads()), Ack)  # the other device goes on
+    assert fleet.rejected().get("client=?,reason=unauthenticated", 0) >= 1
+
+
+def test_the_identity_is_the_enrolled_key_not_the_header(fleet: Fleet) -> None:
+    a = fleet.device("cam-a")
+    answer = a.hello(client_id="cam-b")  # claims to be another device
+    assert isinstance(answer, Reject) and answer.code == "identity"
+    assert "enrolled as 'cam-a'" in answer.detail
+    assert isinstance(a.hello(), Welcome)
+    # A device that takes another's routing id is refused too (and named in the log).
+    b = fleet.device("cam-b")
+    assert isinstance(b.hello(), Welcome)
+    thief = ScriptedDevice(
+        fleet.endpoint, "cam-c", fleet.manifest, curve=fleet.device_keys("cam-c"), routing_id="cam-b"
+    )
+    answer = thief.push(fleet.grads(100.0))
+    assert isinstance(answer, Reject) and answer.code == "identity"
+    assert fleet.rejected().get("client=cam-c,reason=identity") == 1
+    assert fleet.gateway.open.steps == 0  # nothing of the thief's was added
+
+
+def test_the_edge_agent_stops_with_a_clear_error_when_its_key_is_not_enrolled(fleet: Fleet) -> None:
+    curve = fleet.device_keys("cam-9", enrol=False)
+    agent = ElasticEdge(
+        small_model(), SessionOptions(gateway=fleet.endpoint, client_id="cam-9", timeout_s=0.2, curve=curve)
+    )
+    deadline = time.monotonic() + 10.0
+    with pytest.raises(EdgeRefused, match="not enrolled there, or it was revoked"):
+        while time.monotonic() < deadline:
+            agent.session.raise_if_failed()
+            time.sleep(0.02)
+    agent.close()
+
+
+def test_the_edge_agent_trains_over_curve(fleet: Fleet) -> None:
+    curve = fleet.device_keys("cam-1")
+    model = small_model()
+    agent = ElasticEdge(
+        model, SessionOptions(gateway=fleet.endpoint, client_id="cam-1", timeout_s=1.0, curve=curve)
+    )
+    optimizer = torch.optim.SGD(agent.parameters(), lr=0.1)
+    for _ in range(5):
+        loss = agent(torch.randn(4, 6)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert agent.close(drain_s=10.0)
+    applied = fleet.gateway.status()["metrics"]["gateway_applied_steps_total"]
+    assert sum(v for k, v in applied.items() if k.startswith("client=cam-1,")) == 5 * len(fleet.manifest)
+
+
+def test_serve_and_edge_refuse_to_start_without_keys_or_insecure(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["cloud", "serve", "--mode", "standalone", "--gateway-bind", "tcp://127.0.0.1:9"]) == 2
+    assert main(["edge", "--train-max-steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("CURVE is on by default") == 2 and "--insecure" in err
