@@ -55,9 +55,9 @@ class GatewaySettings:
         "clip", "a layer over max_grad_norm is clipped to it, or its push refused", choices=("clip", "reject")
     )
     rate_messages_per_s: float = setting(
-        2000.0, "messages one device may send per second (0: no limit)", min=0.0
+        5000.0, "messages one device may send per second (0: no limit)", min=0.0
     )
-    rate_burst: int = setting(2000, "messages one device may send back to back", min=1)
+    rate_burst: int = setting(5000, "messages one device may send back to back", min=1)
     rate_bytes_per_s: float = setting(0.0, "bytes one device may send per second (0: no limit)", min=0.0)
     max_clients: int = setting(1024, "devices the gateway serves at once", min=1)
     credit: int = setting(8, "pushes one edge may have outstanding (flow control)", min=1, max=4096)

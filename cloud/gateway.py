@@ -95,8 +95,8 @@ class GatewayOptions:
     limits: Limits | None = None  # None: the tightest caps for the model (protocol.limits_for)
     gateway_id: str = ""  # default: random, new at every start (edges notice a restart)
     max_clients: int = 1024  # devices remembered at once; a hello beyond is refused
-    rate_messages_per_s: float = 2000.0  # per device, all message types (0: no limit)
-    rate_burst: int = 2000  # messages a device may send back to back
+    rate_messages_per_s: float = 5000.0  # per device, all message types (0: no limit)
+    rate_burst: int = 5000  # messages a device may send back to back
     rate_bytes_per_s: float = 0.0  # per device (0: no limit)
     # Bound on a layer's gradient norm per unit of weight (a step for success weighting, a
     # contribution for local progress); 0: no bound.  Over it: clip to it, or refuse the push.
@@ -622,7 +622,8 @@ class Gateway:
         # `count`: a repeated verdict (duplicate of a refused push) is not a second refusal.
         code_text = code.value if isinstance(code, Reason) else (code or "")
         client = self.routes.get(route)
-        if count and not accepted and code_text not in (Reason.WINDOW.value, Reason.NOT_WELCOMED.value):
+        # not_welcomed is counted where it is found (handle); every other refusal here.
+        if count and not accepted and code_text != Reason.NOT_WELCOMED.value:
             self.metrics.rejected.inc(client or "?", code_text)
         state = self.clients.get(client) if client else None
         verdicts = state.pending(VERDICTS_PER_ANSWER) if state is not None else ()
