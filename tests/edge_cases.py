@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from common.checkpoint import write_tensors
 from edge.agent import ElasticEdge
 from edge.session import SessionOptions
 
@@ -33,4 +34,4 @@ def exact_edge(endpoint: str, client_id: str, steps: int, seed: int, out_path: s
             sums[n] += p.grad
         optimizer.step()
     delivered = agent.close(drain_s=30.0)
-    torch.save({"sums": sums, "count": steps, "delivered": delivered}, out_path)
+    write_tensors(out_path, sums, {"count": steps, "delivered": delivered}, kind="test-edge-sums")

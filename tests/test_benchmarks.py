@@ -64,6 +64,9 @@ def test_edge_link_benchmark_reports_its_figures() -> None:
     for key in (
         "push_mbps_4mib", "raw_zmq_mbps_4mib", "ratio_vs_raw_4mib", "layers_per_s_4kib",
         "raw_msgs_per_s_4kib", "edge_step_overhead_ratio", "mlp_step_overhead_ratio",
+        # the cost of security: CURVE on against off, ours and raw pyzmq
+        "curve_ratio", "push_mbps_4mib_curve", "curve_ratio_small", "layers_per_s_4kib_curve",
+        "raw_curve_ratio", "raw_zmq_mbps_4mib_curve", "raw_curve_ratio_small", "raw_msgs_per_s_4kib_curve",
     ):  # fmt: skip
         assert figures[key] > 0, key
     assert figures["mlp_pushes_per_step"] > 0.5  # on a lossless link nearly every step is pushed

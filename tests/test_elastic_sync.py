@@ -21,6 +21,7 @@ from fleet import applied_by_layer, audit, edge, free_port, gateway_process, gat
 
 from cloud.aggregation import DeadlineQuorum, SuccessWeighted
 from cloud.gateway import Gateway, GatewayOptions
+from common.checkpoint import read_tensors
 from common.tasks.digits import build_model
 from edge.agent import ElasticEdge
 from edge.session import EdgeRefused, SessionOptions
@@ -47,7 +48,9 @@ def test_a_lossless_round_equals_the_hand_computed_success_weighted_step(tmp_pat
     ctx = mp.get_context("spawn")
     runs = {"a": (1, 11), "b": (3, 12)}  # client: (steps = count of its one push, data seed)
     procs = [
-        ctx.Process(target=edge_cases.exact_edge, args=(endpoint, c, steps, seed, str(tmp_path / f"{c}.pt")))
+        ctx.Process(
+            target=edge_cases.exact_edge, args=(endpoint, c, steps, seed, str(tmp_path / f"{c}.safetensors"))
+        )
         for c, (steps, seed) in runs.items()
     ]
     for p in procs:
@@ -58,12 +61,12 @@ def test_a_lossless_round_equals_the_hand_computed_success_weighted_step(tmp_pat
     stop.set()
     serving.join(30)
     assert not serving.is_alive() and gateway.version == 1  # one round: both edges, once each
-    pushed = {c: torch.load(tmp_path / f"{c}.pt", weights_only=True) for c in runs}
-    assert all(r["delivered"] for r in pushed.values())
-    total = sum(r["count"] for r in pushed.values())
+    pushed = {c: read_tensors(tmp_path / f"{c}.safetensors", kind="test-edge-sums") for c in runs}
+    assert all(meta["delivered"] for _, meta in pushed.values())
+    total = sum(meta["count"] for _, meta in pushed.values())
     assert total == 4
     for name, param in model.named_parameters():
-        average = sum(r["sums"][name] for r in pushed.values()) / total
+        average = sum(sums[name] for sums, _ in pushed.values()) / total
         torch.testing.assert_close(param.detach(), w0[name] - 0.5 * average, rtol=0, atol=1e-6)
     # ...and the gateway counted each edge's steps with their weight.
     status = gateway.status()

@@ -367,3 +367,91 @@ def test_local_progress_is_the_mean_of_the_edges_moves() -> None:
         LocalProgress(edge_lr=0.0, gateway_lr=0.5)
     with pytest.raises(ValueError, match="expected contributions"):
         LocalProgress(edge_lr=0.1, gateway_lr=0.5, expected=0)
+
+
+def _gateway(**options: object) -> Gateway:
+    model = make_model()
+    gw = Gateway(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.5),
+        GatewayOptions(bind="tcp://127.0.0.1:0", **options),  # type: ignore[arg-type]
+        rounds=DeadlineQuorum(deadline_s=60.0, quorum=2),
+    )
+    gw.bind()
+    return gw
+
+
+def test_a_device_over_its_rate_is_refused_and_the_others_are_not() -> None:
+    clock = [0.0]
+    gw = _gateway(rate_messages_per_s=10.0, rate_burst=5)
+    gw.clock = lambda: clock[0]
+    try:
+        fast, calm = Peer(gw, "fast"), Peer(gw, "calm")
+        assert isinstance(fast.hello(gw.manifest), Welcome) and isinstance(calm.hello(gw.manifest), Welcome)
+        answers = []
+        for nonce in range(10):  # a burst of 5 (the hello came before the device was known)
+            fast.send(Heartbeat(nonce=nonce))
+            answers.append(fast.recv())
+        codes = [a.code if isinstance(a, Reject) else "ok" for a in answers]
+        assert codes == ["ok"] * 5 + ["rate_limited"] * 5
+        calm.send(Heartbeat(nonce=1))
+        assert isinstance(calm.recv(), Heartbeat)  # its own budget
+        clock[0] += 0.25  # 2.5 tokens back: two more messages pass
+        fast.send(Heartbeat(nonce=99))
+        assert isinstance(fast.recv(), Heartbeat)
+        assert gw.metrics.rejected.get("fast", "rate_limited") == 5
+    finally:
+        gw.close()
+
+
+def test_the_client_table_is_bounded() -> None:
+    gw = _gateway(max_clients=2)
+    try:
+        assert isinstance(Peer(gw, "a").hello(gw.manifest), Welcome)
+        assert isinstance(Peer(gw, "b").hello(gw.manifest), Welcome)
+        answer = Peer(gw, "c").hello(gw.manifest)
+        assert isinstance(answer, Reject) and answer.code == "too_many_clients"
+        assert isinstance(Peer(gw, "a").hello(gw.manifest), Welcome)  # known devices still come back
+        assert sorted(gw.clients) == ["a", "b"]
+    finally:
+        gw.close()
+
+
+def test_caps_are_sized_from_the_model_and_the_largest_real_messages_fit(gateway: Gateway) -> None:
+    from protocol import TopK, limits_for
+
+    limits = limits_for(gateway.manifest)
+    assert limits == gateway.limits and limits.max_message_bytes < 2**20
+    # The largest messages a real edge sends about this model: float64 dense, full top-k with int64 indices.
+    dense = Push(
+        seq=1,
+        base_version=0,
+        layers=tuple(
+            LayerGradient(s.name, Dense(torch.ones(s.shape, dtype=torch.float64)), 1)
+            for s in gateway.manifest
+        ),
+    )
+    topk = Push(
+        seq=2,
+        base_version=0,
+        layers=tuple(
+            LayerGradient(s.name, TopK(torch.ones(s.numel), torch.arange(s.numel), s.shape), 1)
+            for s in gateway.manifest
+        ),
+    )
+    hello = Hello(client_id="x" * 255, manifest=gateway.manifest, model_version=0, next_seq=1)
+    for msg in (dense, topk, hello):
+        decode(encode(msg), limits=limits, manifest=gateway.manifest)
+    # One byte over, in two frames each under libzmq's per-frame cap: refused before parsing.
+    peer = Peer(gateway, "big")
+    peer.hello(gateway.manifest)
+    half = b"\0" * (limits.max_message_bytes // 2 + 1)
+    peer.send_raw([msgpack_header(), half, half])
+    answer = peer.recv()
+    assert isinstance(answer, Reject) and answer.code == "too_large"
+
+
+def msgpack_header() -> bytes:
+    import msgpack
+
+    return msgpack.packb({"v": 1, "type": "push"})

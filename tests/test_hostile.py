@@ -293,6 +293,8 @@ def test_hostile_device_cannot_hurt_the_model_or_the_gateway(tmp_path: Path) -> 
     gateway.signal(signal.SIGTERM)
     summary = gateway.summary(30)
 
+    grown = (rss_after - rss_before) / 2**20
+    print(f"hostile: {hostile.sent} messages, refusals {dict(hostile.codes)}, gateway RSS {grown:+.1f} MiB")
     assert hostile.sent >= 5000
     for name, tensor in reference.items():
         assert torch.equal(model[name], tensor), f"{name} differs from the run without the hostile device"
