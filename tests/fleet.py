@@ -127,7 +127,7 @@ class Proc:
 
 
 def edge(endpoint: str, client_id: str, *flags: str) -> Proc:
-    """`python -m edge` on the digits task, insecure (CURVE is issue 6), quiet."""
+    """`python -m edge` on the digits task, quiet; --insecure (tests/test_security.py covers CURVE)."""
     argv = [
         sys.executable, "-m", "edge", "--gateway", endpoint, "--client-id", client_id,
         "--insecure", "--log-level", "warning", *flags,
@@ -151,7 +151,13 @@ def gateway_thread(**settings: Any) -> Iterator[Gateway]:
         mode="standalone",
         gateway=GatewaySettings(bind="tcp://127.0.0.1:0", **settings),
     )
-    gateway = build_gateway(config, load_task(config.task))
+    with serving(build_gateway(config, load_task(config.task))) as gateway:
+        yield gateway
+
+
+@contextmanager
+def serving(gateway: Gateway) -> Iterator[Gateway]:
+    """`gateway` serving from a thread of this process until the block ends."""
     stop = threading.Event()
     thread = threading.Thread(target=gateway.serve, args=(stop,), daemon=True)
     thread.start()

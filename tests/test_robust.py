@@ -8,12 +8,9 @@ steps plain SGD (no momentum), so a round's model change is exactly
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import pytest
 import torch
+from fleet import serving
 from scripted import ScriptedDevice
 
 from cloud.aggregation import Aggregation, CoordinateMedian, DeadlineQuorum, MeanAggregation, TrimmedMean
@@ -31,25 +28,15 @@ def small_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
 
 
-@contextmanager
-def serving(options: GatewayOptions, aggregation: Aggregation, quorum: int = HONEST + 1) -> Iterator[Gateway]:
+def gateway(options: GatewayOptions, aggregation: Aggregation, quorum: int = HONEST + 1) -> Gateway:
     model = small_model()
-    gateway = Gateway(
+    return Gateway(
         model,
         torch.optim.SGD(model.parameters(), lr=LR),
         options,
         rounds=DeadlineQuorum(deadline_s=60.0, quorum=quorum),
         aggregation=aggregation,
     )
-    stop = threading.Event()
-    thread = threading.Thread(target=gateway.serve, args=(stop,), daemon=True)
-    thread.start()
-    try:
-        gateway.wait_bound(10)
-        yield gateway
-    finally:
-        stop.set()
-        thread.join(10)
 
 
 def run_rounds(gateway: Gateway) -> list[tuple[dict, list[dict], dict]]:
@@ -82,8 +69,8 @@ def run_rounds(gateway: Gateway) -> list[tuple[dict, list[dict], dict]]:
 
 
 def test_without_defences_the_poisoned_device_drags_the_model() -> None:
-    with serving(GatewayOptions(bind="tcp://127.0.0.1:0"), MeanAggregation()) as gateway:
-        rounds = run_rounds(gateway)
+    with serving(gateway(GatewayOptions(bind="tcp://127.0.0.1:0"), MeanAggregation())) as gw:
+        rounds = run_rounds(gw)
     moved = max(float((after[n] - before[n]).norm()) for before, _, after in rounds for n in before)
     assert moved > 50 * LR * BOUND  # the attack is real: this is what the defences must stop
 
@@ -92,9 +79,9 @@ def test_without_defences_the_poisoned_device_drags_the_model() -> None:
 def test_the_norm_bound_limits_how_far_any_round_moves_the_model(policy: str) -> None:
     options = GatewayOptions(bind="tcp://127.0.0.1:0", max_grad_norm=BOUND, norm_policy=policy)
     # A refused push adds nothing to its round: the round closes on the honest devices.
-    with serving(options, MeanAggregation(), quorum=HONEST if policy == "reject" else HONEST + 1) as gateway:
-        rounds = run_rounds(gateway)
-        metrics = gateway.status()["metrics"]
+    with serving(gateway(options, MeanAggregation(), HONEST if policy == "reject" else HONEST + 1)) as gw:
+        rounds = run_rounds(gw)
+        metrics = gw.status()["metrics"]
     for before, honest, after in rounds:
         for name in before:
             step = after[name] - before[name]
@@ -115,8 +102,8 @@ def test_the_norm_bound_limits_how_far_any_round_moves_the_model(policy: str) ->
     "aggregation", [CoordinateMedian(), TrimmedMean(trim=0.25)], ids=["median", "trimmed"]
 )
 def test_robust_aggregation_keeps_every_coordinate_in_the_honest_range(aggregation: Aggregation) -> None:
-    with serving(GatewayOptions(bind="tcp://127.0.0.1:0"), aggregation) as gateway:
-        rounds = run_rounds(gateway)
+    with serving(gateway(GatewayOptions(bind="tcp://127.0.0.1:0"), aggregation)) as gw:
+        rounds = run_rounds(gw)
     for before, honest, after in rounds:
         for name in before:
             step = after[name] - before[name]
