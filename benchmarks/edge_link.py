@@ -10,6 +10,16 @@
    Both sides send bytes that already exist: the raw client one bytes object,
    ours the cache's buffers, re-armed as a new step without a copy (the copy
    of a gradient into the cache is the hook's cost, measured in figure 2).
+   The cost of security: each of these (ours 4 MiB, ours 4 KiB packed, raw
+   4 MiB and 4 KiB) also runs with CURVE on, in blocks alternating with CURVE
+   off (off, on, on, off, ...) over the same payloads.  Ours with CURVE is the
+   deployed setup: gateway key folder, enrolled device keys, the ZAP thread and
+   the per-message identity check; raw pyzmq with CURVE is libzmq's encryption
+   alone (server and client keys, no ZAP handler), so the two ratios show how
+   much of the cost is libzmq's CURVE and how much is ours.  `curve_ratio` is
+   ours on/off for 4 MiB layers.  Every other figure (ratio_vs_raw, unpacked,
+   figure 2) is CURVE off on both sides.  The gateway's per-device rate limit
+   is off throughout (it would cap the 4 KiB figures).
 2. Edge step overhead: training steps with `ElasticEdge` pushing every step to
    a gateway process, against the same loop with no sink, in alternating
    blocks.  Headline: a small conv net (the usual Jetson workload).  Also an
@@ -25,16 +35,24 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import shutil
 import statistics
+import sys
+import tempfile
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 import zmq
 from torch import nn
 
+from cloud.admission import CurveAdmission
 from cloud.aggregation import DeadlineQuorum
 from cloud.gateway import Gateway, GatewayOptions
+from common.keys import KeyFolder, KeyPair, generate, read_key_file
 from edge.agent import ElasticEdge
 from edge.cache import GradientCache
 from edge.session import EdgeSession, SessionOptions
@@ -68,15 +86,25 @@ def mlp() -> nn.Module:
     )
 
 
-def _gateway_main(kind: str, count: int, numel: int, endpoint_q: mp.Queue, stop: mp.Event) -> None:  # type: ignore[type-arg]
+def _gateway_main(
+    kind: str,
+    count: int,
+    numel: int,
+    keys_dir: str,
+    endpoint_q: mp.Queue,  # type: ignore[type-arg]
+    stop: mp.Event,  # type: ignore[valid-type]
+) -> None:
+    """A gateway process; with `keys_dir` (a key folder) CURVE on, enrolled devices only."""
     torch.set_num_threads(1)
     model = Layers(count, numel) if kind == "layers" else MODELS[kind]()
-    # Rounds close on a 1 s deadline (a fleet's pace), never on every push.
+    # Rounds close on a 1 s deadline (a fleet's pace), never on every push.  No rate limit:
+    # it is a guard against a misbehaving device and would cap the 4 KiB figures.
     gw = Gateway(
         model,
         torch.optim.SGD(model.parameters(), lr=0.01),
-        GatewayOptions(bind="tcp://127.0.0.1:0", credit=CREDIT),
+        GatewayOptions(bind="tcp://127.0.0.1:0", credit=CREDIT, rate_messages_per_s=0),
         rounds=DeadlineQuorum(deadline_s=1.0, quorum=1_000_000),
+        admission=CurveAdmission.from_folder(keys_dir) if keys_dir else None,
     )
     endpoint_q.put(gw.bind())
     ev = threading.Event()
@@ -84,13 +112,22 @@ def _gateway_main(kind: str, count: int, numel: int, endpoint_q: mp.Queue, stop:
     gw.serve(ev)
 
 
-def _raw_server(endpoint_q: mp.Queue, stop: mp.Event) -> None:  # type: ignore[type-arg]
-    sock = zmq.Context.instance().socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    endpoint_q.put(f"tcp://127.0.0.1:{port}")
+def _raw_server(curve_secret: bytes, endpoint_q: mp.Queue, stop: mp.Event) -> None:  # type: ignore[type-arg]
+    """Two ROUTERs answering each message with a small ack: plain, and a CURVE server (no ZAP)."""
+    ctx = zmq.Context.instance()
+    plain, curve = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
+    curve.curve_server = True
+    curve.curve_secretkey = curve_secret
+    curve.curve_publickey = zmq.curve_public(curve_secret)
+    poller = zmq.Poller()
+    endpoints = []
+    for sock in (plain, curve):
+        sock.setsockopt(zmq.LINGER, 0)
+        endpoints.append(f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}")
+        poller.register(sock, zmq.POLLIN)
+    endpoint_q.put(tuple(endpoints))
     while not stop.is_set():
-        if sock.poll(50):
+        for sock, _ in poller.poll(50):
             while True:
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -99,19 +136,59 @@ def _raw_server(endpoint_q: mp.Queue, stop: mp.Event) -> None:  # type: ignore[t
                 sock.send_multipart([frames[0], frames[1].bytes[:8]])
 
 
-def _start(target, *args) -> tuple[mp.Process, str, mp.Event]:  # type: ignore[no-untyped-def, type-arg]
+def _spawn(target, *args) -> tuple[mp.Process, mp.Queue, mp.Event]:  # type: ignore[no-untyped-def, type-arg]
     ctx = mp.get_context("spawn")
     q, stop = ctx.Queue(), ctx.Event()
     proc = ctx.Process(target=target, args=(*args, q, stop), daemon=True)
     proc.start()
-    return proc, q.get(timeout=60), stop
+    return proc, q, stop
 
 
-def raw_rate(endpoint: str, payload: bytes, seconds: float) -> float:
-    """Messages per second with CREDIT outstanding, DEALER -> ROUTER -> ack."""
+def _start(*jobs: tuple) -> list[tuple[mp.Process, Any, mp.Event]]:  # type: ignore[type-arg]
+    """Start a process per (target, *args), all at once; each with the endpoint(s) it put."""
+    started = [_spawn(*job) for job in jobs]
+    return [(proc, q.get(timeout=60), stop) for proc, q, stop in started]
+
+
+def _stop(*procs: tuple[mp.Process, Any, mp.Event]) -> None:  # type: ignore[type-arg]
+    for _, _, stop in procs:
+        stop.set()
+    for proc, _, _ in procs:
+        proc.join(10)
+
+
+class Keys:
+    """A gateway key folder in a temporary directory; `device(name)` enrols a new key pair as `name`."""
+
+    def __init__(self) -> None:
+        self.root = tempfile.mkdtemp(prefix="edge_link-keys-")
+        self.folder = KeyFolder(self.root)
+        self.gateway_public = read_key_file(self.folder.init()).public
+
+    def device(self, name: str) -> tuple[KeyPair, bytes]:
+        """`SessionOptions.curve` for a device enrolled as `name` (its client id)."""
+        public, secret = generate(name, Path(self.root) / "devices")
+        self.folder.enrol(name, public)
+        return read_key_file(secret, need_secret=True), self.gateway_public
+
+    def remove(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def raw_rate(
+    endpoint: str, payload: bytes, seconds: float, curve: tuple[bytes, bytes, bytes] | None = None
+) -> tuple[float, float]:
+    """(messages, seconds) with CREDIT outstanding, DEALER -> ROUTER -> ack.
+
+    `curve`: (server public, client public, client secret) for a CURVE client.
+    """
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = curve
     sock.connect(endpoint)
+    sock.send_multipart([b"\0" * 8, b"warm-up"])  # connected (and the handshake done) before the clock
+    sock.recv_multipart()
     seq = 0
     outstanding = 0
     done = 0
@@ -129,45 +206,120 @@ def raw_rate(endpoint: str, payload: bytes, seconds: float) -> float:
         sock.recv_multipart()
         outstanding -= 1
     sock.close()
-    return done / (time.perf_counter() - start)
+    return done, time.perf_counter() - start
 
 
-def push_rate(endpoint: str, count: int, numel: int, pack_bytes: int, seconds: float) -> float:
-    """Layers per second delivered (acked) by our session, producer adding as fast as it can."""
-    model = Layers(count, numel)
-    named = [(n, p) for n, p in reversed(list(model.named_parameters()))]
-    manifest = Manifest.from_parameters(model.named_parameters())
-    units: list[list[int]] = []
-    for i in range(len(named)):
-        if units and (len(units[-1]) + 1) * numel * 4 <= pack_bytes:
-            units[-1].append(i)
-        else:
-            units.append([i])
-    cache = GradientCache([[(named[i][0], (numel,), torch.float32) for i in u] for u in units])
-    session = EdgeSession(
-        SessionOptions(gateway=endpoint, client_id=f"bench-{numel}", timeout_s=5.0), manifest, cache
-    )
-    session.start()
-    grads = [torch.ones(numel) for _ in range(count)]
-    deadline = time.perf_counter() + 10
-    while not session.welcomed and time.perf_counter() < deadline:
-        time.sleep(0.01)
-    start = time.perf_counter()
-    end = start + seconds
-    for u, unit in enumerate(units):
-        cache.add(u, [grads[i] for i in unit], 0)
-    while time.perf_counter() < end:
-        # Re-arm every sent unit as one more step with the same bytes (no copy: see the docstring).
-        with cache.lock:
-            for state in cache.units:
-                if state.pending_count == 0:
-                    state.pending_count = 1
-        session.request_sync(range(len(units)))
-        time.sleep(0.0002)
-    elapsed = time.perf_counter() - start
-    pushes = session.metrics.pushes.total()
-    session.close(drain_s=0)
-    return pushes * (count / len(units)) / elapsed
+class _Cache(GradientCache):
+    """New buffers hold a gradient (ones), not stale memory: the benchmark re-arms units without adding.
+
+    A real edge copies each step's gradient into a new buffer; here the fill is that pass.
+    """
+
+    def _buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.ones(numel, dtype=dtype)
+
+
+class Pusher:
+    """Our session and cache against one gateway; `run` measures, as often as asked, over one session.
+
+    `client_id` must be new to the gateway (a known one would start again at seq 1, below
+    the gateway's floor for it: its pushes would be answered as duplicates, not applied).
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        count: int,
+        numel: int,
+        pack_bytes: int,
+        client_id: str,
+        curve: tuple[KeyPair, bytes] | None = None,
+    ) -> None:
+        model = Layers(count, numel)
+        named = [(n, p) for n, p in reversed(list(model.named_parameters()))]
+        manifest = Manifest.from_parameters(model.named_parameters())
+        self.units: list[list[int]] = []
+        for i in range(len(named)):
+            if self.units and (len(self.units[-1]) + 1) * numel * 4 <= pack_bytes:
+                self.units[-1].append(i)
+            else:
+                self.units.append([i])
+        self.cache = _Cache([[(named[i][0], (numel,), torch.float32) for i in u] for u in self.units])
+        self.client_id = client_id
+        self.session = EdgeSession(
+            SessionOptions(gateway=endpoint, client_id=client_id, timeout_s=5.0, curve=curve),
+            manifest,
+            self.cache,
+        )
+        self.session.start()
+        grads = [torch.ones(numel) for _ in range(count)]
+        for u, unit in enumerate(self.units):
+            self.cache.add(u, [grads[i] for i in unit], 0)
+        deadline = time.perf_counter() + 10
+        while not self.session.welcomed and time.perf_counter() < deadline:
+            time.sleep(0.01)
+        if not self.session.welcomed:
+            self.session.close(drain_s=0)
+            raise RuntimeError(f"{client_id}: no welcome from {endpoint} in 10 s")
+
+    def accepted(self) -> float:
+        """Layers the gateway accepted so far (a push of a packed unit counts each of its layers)."""
+        m = self.session.metrics
+        return m.strong.total() + m.late.total()
+
+    def run(self, seconds: float, block: int = 0) -> tuple[float, float]:
+        """(layers accepted, seconds), the producer adding as fast as it can; then drains, untimed."""
+        cache, session = self.cache, self.session
+        before = self.accepted()
+        start = time.perf_counter()
+        end = start + seconds
+        while time.perf_counter() < end:
+            # Re-arm every sent unit as one more step with the same bytes (no copy: see the
+            # docstring), computed on the newest model this edge holds (else, once the gateway
+            # is max_staleness rounds on, every push would be dropped as stale).
+            with cache.lock:
+                for state in cache.units:
+                    if state.pending_count == 0:
+                        state.pending_count = 1
+                        state.pending_base = session.have_version
+            session.request_sync(range(len(self.units)))
+            time.sleep(0.0002)
+        elapsed = time.perf_counter() - start
+        done = self.accepted() - before
+        # Untimed: what is armed goes and is answered, so the next block starts on a quiet link.
+        deadline = time.perf_counter() + 10
+        while cache.undelivered() and time.perf_counter() < deadline:
+            time.sleep(0.005)
+        session.raise_if_failed()
+        return done, elapsed
+
+    def close(self) -> None:
+        rejected = self.session.metrics.rejected.total()
+        self.session.close(drain_s=0)
+        if rejected:
+            print(f"warning: {self.client_id}: the gateway refused {rejected:.0f} pushes", file=sys.stderr)
+
+
+def alternate(
+    off: Callable[[float, int], tuple[float, float]],
+    on: Callable[[float, int], tuple[float, float]],
+    seconds: float,
+    blocks: int = 2,
+) -> tuple[float, float]:
+    """Rates (per second) of CURVE off and on, `seconds` each, in `blocks` blocks: off on, on off, ...
+
+    First a short warm-up of each, not counted (a fresh gateway's first pushes fault in its
+    accumulators).  `measure(seconds, block)` returns (done, elapsed); the warm-up's block is -1.
+    """
+    for measure in (off, on):
+        measure(min(0.25, seconds / blocks), -1)
+    totals = {off: [0.0, 0.0], on: [0.0, 0.0]}
+    for b in range(blocks):
+        for measure in (off, on) if b % 2 == 0 else (on, off):
+            done, elapsed = measure(seconds / blocks, b)
+            totals[measure][0] += done
+            totals[measure][1] += elapsed
+    return totals[off][0] / totals[off][1], totals[on][0] / totals[on][1]
 
 
 def step_overhead(endpoint: str, kind: str, steps: int, blocks: int) -> dict[str, float]:
@@ -226,40 +378,68 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--seconds", type=float, default=4.0, help="per throughput measurement")
+    parser.add_argument(
+        "--seconds", type=float, default=4.0, help="per throughput measurement (CURVE on and off: each)"
+    )
     parser.add_argument("--steps", type=int, default=30, help="steps per timing block")
     parser.add_argument("--blocks", type=int, default=6, help="alternating bare/edge blocks")
     opts = parser.parse_args()
     torch.set_num_threads(1)
 
     big, small = 1 << 20, 1024  # 4 MiB and 4 KiB of fp32
-    figures: dict[str, float] = {}
+    keys = Keys()
+    try:
+        # Raw pyzmq, CURVE off and on (libzmq's encryption alone: no ZAP handler).
+        server_public, server_secret = zmq.curve_keypair()
+        client_public, client_secret = zmq.curve_keypair()
+        client_keys = (server_public, client_public, client_secret)
+        [raw] = _start((_raw_server, server_secret))
+        plain_ep, curve_ep = raw[1]
+        raw_rates: dict[str, tuple[float, float]] = {}
+        ours: dict[str, tuple[float, float]] = {}
+        for name, numel in (("big", big), ("small", small)):
+            payload = b"\0" * (numel * 4)
+            raw_rates[name] = alternate(
+                lambda s, b, p=payload: raw_rate(plain_ep, p, s),
+                lambda s, b, p=payload: raw_rate(curve_ep, p, s, client_keys),
+                opts.seconds,
+            )
+        _stop(raw)
 
-    proc, ep, stop = _start(_raw_server)
-    raw_big = raw_rate(ep, b"\0" * (big * 4), opts.seconds)
-    raw_small = raw_rate(ep, b"\0" * (small * 4), opts.seconds)
-    stop.set()
-    proc.join(10)
-
-    proc, ep, stop = _start(_gateway_main, "layers", 16, big)
-    ours_big = push_rate(ep, 16, big, 0, opts.seconds)
-    stop.set()
-    proc.join(10)
-
-    proc, ep, stop = _start(_gateway_main, "layers", 512, small)
-    ours_small_packed = push_rate(ep, 512, small, 1 << 20, opts.seconds)
-    ours_small_unpacked = push_rate(ep, 512, small, 0, opts.seconds)
-    stop.set()
-    proc.join(10)
+        # Ours: a gateway process with CURVE off and one with CURVE on, per layer size; one
+        # session each (the CURVE one enrolled under its client id), warmed up, then alternating.
+        for count, numel, pack, tag in ((16, big, 0, "4mib"), (512, small, 1 << 20, "4kib")):
+            off, on = _start(
+                (_gateway_main, "layers", count, numel, ""),
+                (_gateway_main, "layers", count, numel, keys.root),
+            )
+            cid = f"bench-{tag}"
+            plain = Pusher(off[1], count, numel, pack, cid)
+            secure = Pusher(on[1], count, numel, pack, cid, keys.device(cid))
+            ours[tag] = alternate(plain.run, secure.run, opts.seconds)
+            plain.close()
+            secure.close()
+            if tag == "4kib":  # and unpacked: a push per 4 KiB layer (CURVE off)
+                unpacked = Pusher(off[1], count, numel, 0, f"{cid}-unpacked")
+                unpacked.run(min(0.25, opts.seconds))  # warm-up, as in alternate()
+                done, elapsed = unpacked.run(opts.seconds)
+                ours_small_unpacked = done / elapsed
+                unpacked.close()
+            _stop(off, on)
+    finally:
+        keys.remove()
 
     steps = {}
     for kind in ("cnn", "mlp"):
-        proc, ep, stop = _start(_gateway_main, kind, 0, 0)
-        steps[kind] = step_overhead(ep, kind, opts.steps, opts.blocks)
-        stop.set()
-        proc.join(10)
+        [proc] = _start((_gateway_main, kind, 0, 0, ""))
+        steps[kind] = step_overhead(proc[1], kind, opts.steps, opts.blocks)
+        _stop(proc)
 
     mib = big * 4 / 1e6
+    raw_big, raw_big_curve = raw_rates["big"]
+    raw_small, raw_small_curve = raw_rates["small"]
+    ours_big, ours_big_curve = ours["4mib"]
+    ours_small_packed, ours_small_curve = ours["4kib"]
     cnn_s, mlp_s = steps["cnn"], steps["mlp"]
     figures = {
         "push_mbps_4mib": round(ours_big * mib, 1),
@@ -268,6 +448,16 @@ def main() -> None:
         "layers_per_s_4kib": round(ours_small_packed),
         "layers_per_s_4kib_unpacked": round(ours_small_unpacked),
         "raw_msgs_per_s_4kib": round(raw_small),
+        # CURVE on (ours: enrolled keys, ZAP, identity check; raw: libzmq's CURVE alone).
+        "push_mbps_4mib_curve": round(ours_big_curve * mib, 1),
+        "curve_ratio": round(ours_big_curve / ours_big, 3),
+        "layers_per_s_4kib_curve": round(ours_small_curve),
+        "curve_ratio_small": round(ours_small_curve / ours_small_packed, 3),
+        "raw_zmq_mbps_4mib_curve": round(raw_big_curve * mib, 1),
+        "raw_curve_ratio": round(raw_big_curve / raw_big, 3),
+        "raw_msgs_per_s_4kib_curve": round(raw_small_curve),
+        "raw_curve_ratio_small": round(raw_small_curve / raw_small, 3),
+        "ratio_vs_raw_4mib_curve": round(ours_big_curve / raw_big_curve, 3),
         "edge_step_ms_bare": round(cnn_s["bare_ms"], 3),
         "edge_step_ms_sink": round(cnn_s["edge_ms"], 3),
         "edge_step_overhead_ratio": round(cnn_s["edge_ms"] / cnn_s["bare_ms"], 3),
@@ -281,6 +471,15 @@ def main() -> None:
     print(f"{'figure':<28} {'value':>12}")
     for k, v in figures.items():
         print(f"{k:<28} {v:>12}")
+    f = figures
+    print(
+        f"CURVE on/off: ours x{f['curve_ratio']} (4 MiB, {f['push_mbps_4mib_curve']} vs "
+        f"{f['push_mbps_4mib']} MB/s), x{f['curve_ratio_small']} (4 KiB packed, "
+        f"{f['layers_per_s_4kib_curve']} vs {f['layers_per_s_4kib']} layers/s); raw pyzmq "
+        f"x{f['raw_curve_ratio']} (4 MiB, {f['raw_zmq_mbps_4mib_curve']} vs {f['raw_zmq_mbps_4mib']} MB/s), "
+        f"x{f['raw_curve_ratio_small']} (4 KiB, {f['raw_msgs_per_s_4kib_curve']} vs "
+        f"{f['raw_msgs_per_s_4kib']} msgs/s)"
+    )
     print(json.dumps(figures))
 
 

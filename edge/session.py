@@ -313,10 +313,14 @@ class EdgeSession:
                 events = dict(poller.poll(max(0, int(wait * 1000) + 1)))
                 now = self.clock()
                 if events.get(self._wake_rx):
-                    with self._lock:
-                        self._wake_pending = False
+                    # Drain first, then clear: a wake-up sent in between is then either drained
+                    # (and its units are read by this tick) or still in the pipe with the flag
+                    # clear.  The other order could leave the flag set with nothing in the pipe,
+                    # and later requests would wait for the next timer.
                     while self._wake_rx.poll(0):
                         self._wake_rx.recv()
+                    with self._lock:
+                        self._wake_pending = False
                 if self._monitor is not None and events.get(self._monitor):
                     self._on_monitor(now)
                 if self._sock is not None and events.get(self._sock):
@@ -363,10 +367,12 @@ class EdgeSession:
         apply_limits(sock, self.options.limits)
         if self.options.curve is not None:
             configure_client(sock, *self.options.curve)
-            self._monitor = sock.get_monitor_socket(
-                _HANDSHAKE_EVENTS, addr=f"inproc://elasticfed-edge-monitor-{id(self)}-{next(self._monitors)}"
-            )
-            poller.register(self._monitor, zmq.POLLIN)
+        # Handshake events: a hello the moment the connection is up (with ZMQ_IMMEDIATE a send
+        # before that is refused), and a clear error when the gateway refuses this device's key.
+        self._monitor = sock.get_monitor_socket(
+            _HANDSHAKE_EVENTS, addr=f"inproc://elasticfed-edge-monitor-{id(self)}-{next(self._monitors)}"
+        )
+        poller.register(self._monitor, zmq.POLLIN)
         sock.connect(self.options.gateway)
         self._sock = sock
         poller.register(sock, zmq.POLLIN)
@@ -412,6 +418,7 @@ class EdgeSession:
             event = recv_monitor_message(self._monitor)
             kind = event["event"]
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._say_hello(now)  # the one at connect was likely refused (not connected yet)
                 continue
             if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 self.metrics.handshake_failures.inc("refused")
