@@ -512,6 +512,15 @@ class Gateway:
             return
         scale = self.weighting.scale(staleness)
         dense = [layer.payload.to_dense() for layer in msg.layers]
+        for layer, tensor in zip(msg.layers, dense):
+            # The codec checked the frames; a top-k sum of repeated indices or a low-rank product
+            # can still overflow (fp16 above 65504) once expanded.
+            if not isinstance(layer.payload, Dense) and not bool(torch.isfinite(tensor).all()):
+                state.record(msg.seq, Reason.NONFINITE.value, msg.attempt)
+                detail = f"layer {layer.name}: NaN or Inf once expanded from {type(layer.payload).__name__}"
+                self._refusals.warn(cid, Reason.NONFINITE.value, detail, now)
+                self._ack(route, msg.seq, False, Reason.NONFINITE, detail, attempt=msg.attempt)
+                return
         factors = [1.0] * len(dense)
         bound = self.options.max_grad_norm
         if bound > 0:

@@ -455,3 +455,19 @@ def msgpack_header() -> bytes:
     import msgpack
 
     return msgpack.packb({"v": 1, "type": "push"})
+
+
+def test_a_compressed_push_that_overflows_once_expanded_is_refused(gateway: Gateway) -> None:
+    from protocol import TopK
+
+    peer = Peer(gateway, "a")
+    peer.hello(gateway.manifest)
+    i = max(range(len(gateway.params)), key=lambda j: gateway.params[j].numel())  # 12 elements
+    name, shape = gateway.names[i], tuple(gateway.params[i].shape)
+    # Every value finite in fp16, but five of them on one index sum past fp16's largest (65504).
+    values = torch.full((5,), 60000.0, dtype=torch.float16)
+    layers = (LayerGradient(name, TopK(values, torch.zeros(5, dtype=torch.int64), shape), 1),)
+    peer.send(Push(seq=1, base_version=0, layers=layers))
+    answer = peer.recv()
+    assert isinstance(answer, Ack) and not answer.accepted and answer.code == "nonfinite"
+    assert gateway.open.steps == 0 and gateway.metrics.rejected.get("a", "nonfinite") == 1
