@@ -4,17 +4,19 @@ Two checks, so that a revocation needs no restart:
 
 - at the handshake, pyzmq's ZAP authenticator (its own thread) asks
   `EnrolledDevices` whether the client's public key is enrolled, and stamps the
-  connection with the device's name as its ZeroMQ User-Id;
-- on every message, the gateway reads that User-Id from the frame and asks
-  again: a device revoked while connected is refused from its next message.
+  connection with that public key as its ZeroMQ User-Id;
+- on every message, the gateway reads the key from the frame and looks it up
+  again: a device revoked (or re-keyed) while connected is refused from its
+  next message.
 
-The device's identity is therefore the name its key was enrolled under, never
-what it writes in a header.
+The device's identity is therefore the name its key is enrolled under now,
+never what it writes in a header.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import zmq
@@ -35,6 +37,8 @@ class _Authenticator(ThreadAuthenticator):
         self.devices = admission.devices
         self.admission = admission
         self._address = ""
+        self._last_log = -1e18
+        self._quiet = 0
 
     async def handle_zap_message(self, msg: list[bytes]) -> None:
         self._address = msg[3].decode("utf-8", "replace") if len(msg) > 3 else "?"
@@ -44,15 +48,22 @@ class _Authenticator(ThreadAuthenticator):
         name = self.devices.device_for(key)
         if name is None:
             self.admission.handshakes_refused += 1
-            log.warning(
-                "refused a CURVE handshake from %s: public key %s is not enrolled",
-                self._address,
-                key.decode("ascii", "replace"),
-            )
+            now = time.monotonic()
+            if now - self._last_log < 1.0:  # a knocking stranger must not fill the disk
+                self._quiet += 1
+            else:
+                more = f" ({self._quiet} more refusals not logged)" if self._quiet else ""
+                self._last_log, self._quiet = now, 0
+                log.warning(
+                    "refused a CURVE handshake from %s: public key %s is not enrolled%s",
+                    self._address,
+                    key.decode("ascii", "replace"),
+                    more,
+                )
         return name is not None
 
     def curve_user_id(self, client_public_key: bytes) -> str:
-        return self.devices.device_for(zmq.utils.z85.encode(client_public_key)) or ""
+        return zmq.utils.z85.encode(client_public_key).decode("ascii")
 
 
 class CurveAdmission:
@@ -85,14 +96,14 @@ class CurveAdmission:
         sock.zap_domain = ZAP_DOMAIN.encode()
 
     def identity(self, frame: Any) -> str | None:
-        """The enrolled name behind a received frame, or None if it has none (or was revoked since)."""
+        """The enrolled name of the key behind a received frame; None if none (or revoked since)."""
         try:
-            name = frame.get("User-Id")
+            key = frame.get("User-Id")
         except (AttributeError, zmq.ZMQError):
             return None
-        if not name or not self.devices.is_enrolled(name):
+        if not key:
             return None
-        return str(name)
+        return self.devices.device_for(str(key).encode("ascii", "replace"))
 
     def close(self) -> None:
         if self._auth is not None:

@@ -237,7 +237,8 @@ class CoordinateMedian:
 
 @dataclass(frozen=True)
 class TrimmedMean:
-    """Per coordinate, drop the `trim` share of largest and of smallest device averages, mean the rest."""
+    """Per coordinate, drop the `trim` share (rounded up) of largest and of smallest device averages,
+    mean the rest; where that leaves nothing, the median."""
 
     trim: float = 0.2
     name: str = "trimmed_mean"
@@ -251,7 +252,7 @@ class TrimmedMean:
 
     def _reduce(self, values: torch.Tensor) -> torch.Tensor:
         n = values.shape[0]
-        k = int(self.trim * n)
+        k = math.ceil(self.trim * n)  # 0.2 of 3 or 4 devices still drops one at each end
         if n - 2 * k < 1:
             return coordinate_median(values)
         return values.sort(dim=0).values[k : n - k].mean(dim=0)

@@ -27,6 +27,7 @@ other device's state.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
 import os
@@ -95,6 +96,10 @@ class GatewayOptions:
     limits: Limits | None = None  # None: the tightest caps for the model (protocol.limits_for)
     gateway_id: str = ""  # default: random, new at every start (edges notice a restart)
     max_clients: int = 1024  # devices remembered at once; a hello beyond is refused
+    client_idle_s: float = 600.0  # ... unless the device silent the longest has been silent this long
+    # Payload encodings accepted from edges (they push dense today); top-k and low-rank cost the
+    # gateway an expansion per push.
+    encodings: tuple[str, ...] = ("dense",)
     rate_messages_per_s: float = 5000.0  # per device, all message types (0: no limit)
     rate_burst: int = 5000  # messages a device may send back to back
     rate_bytes_per_s: float = 0.0  # per device (0: no limit)
@@ -228,6 +233,11 @@ class GatewayMetrics:
             "gateway_duplicates_total", "pushes answered before, not applied", ["client"]
         )
         self.rejected = m.counter("gateway_rejected_total", "messages refused", ["client", "reason"])
+        self.nonfinite = m.counter(
+            "gateway_nonfinite_layers_total",
+            "round averages not applied: NaN or Inf after summing",
+            ["layer"],
+        )
         self.clipped = m.counter(
             "gateway_clipped_total", "layer contributions scaled down to the norm bound", ["client", "layer"]
         )
@@ -277,7 +287,9 @@ class Gateway:
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.layer_index = {n: i for i, n in enumerate(self.names)}
-        self.limits = self.options.limits or limits_for(self.manifest, DEFAULT_LIMITS)
+        self.limits = self.options.limits or dataclasses.replace(
+            limits_for(self.manifest, DEFAULT_LIMITS), encodings=self.options.encodings
+        )
         self.acc = [self.aggregation.accumulator(p.numel()) for p in self.params]
         self._rates: dict[str, _Rate] = {}
         self._refusals = _RefusalLog()
@@ -301,6 +313,10 @@ class Gateway:
         # An edge keeps its routing id across reconnects: the new connection takes over the old
         # (possibly half-open) one, and the edge stays welcomed without another round trip.
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # Per connection, libzmq queues at most this many messages while this thread is busy, then
+        # stops reading that TCP connection (back-pressure, nothing dropped).  Credit keeps an
+        # honest edge far below it.
+        sock.setsockopt(zmq.RCVHWM, 4 * self.options.credit + 16)
         apply_limits(sock, self.limits)
         if self.admission is not None:
             self.admission.secure(sock)
@@ -365,7 +381,16 @@ class Gateway:
 
     # ------------------------------------------------------------------- messages
     def handle(self, frames: list[Any]) -> None:
-        route, body = frames[0].bytes, frames[1:]
+        """One message; whatever it holds, the serving thread survives it."""
+        route = frames[0].bytes
+        try:
+            self._handle(route, frames[1:])
+        except Exception as exc:  # a check we missed must cost one message, not the service
+            log.exception("failed to handle a message from route %r", route[:24])
+            detail = f"could not be handled: {type(exc).__name__}: {exc}"
+            self._refuse(route, self.routes.get(route), Reason.MALFORMED, detail, self.clock())
+
+    def _handle(self, route: bytes, body: list[Any]) -> None:
         now = self.clock()
         client = self.routes.get(route)
         identity = None  # the enrolled name behind the message (CURVE), never a header's claim
@@ -374,10 +399,14 @@ class Gateway:
             if identity is None:
                 self._refuse(route, None, Reason.UNAUTHENTICATED, "no enrolled CURVE key (revoked?)", now)
                 return
-            if client is not None and client != identity:
-                detail = f"device {identity!r} uses the routing id of {client!r}"
-                self._refuse(route, identity, Reason.IDENTITY, detail, now)
-                return
+            # The key decides who this is, whatever the route: a device that reconnected (a new
+            # routing id) is followed, and a route never lends its device's name to another key.
+            client = identity
+            known = self.clients.get(identity)
+            if known is not None and known.route != route:
+                self.routes.pop(known.route, None)
+                known.route = route
+                self.routes[route] = identity
         who = identity or client
         if who is not None and (self.options.rate_messages_per_s or self.options.rate_bytes_per_s):
             rate = self._rates.get(who)
@@ -436,17 +465,17 @@ class Gateway:
             detail = f"this key is enrolled as {identity!r}; the hello says {msg.client_id!r}"
             self._refuse(route, identity, Reason.IDENTITY, detail, now)
             return
+        # A claimed name labels metrics only once it is proven (CURVE) or welcomed: claims are free.
+        who = identity or (msg.client_id if msg.client_id in self.clients else None)
         difference = self.manifest.first_difference(msg.manifest)
         if difference is not None:
-            self.metrics.rejected.inc(msg.client_id, Reason.MANIFEST.value)
             detail = f"edge {msg.client_id}'s model differs from the gateway's: {difference}"
-            log.error("%s", detail)
-            self._reply(route, Reject(code=Reason.MANIFEST.value, detail=detail[:1024]))
+            self._refuse(route, who, Reason.MANIFEST, detail, now)
             return
         state = self.clients.get(msg.client_id)
-        if state is None and len(self.clients) >= self.options.max_clients:
+        if state is None and len(self.clients) >= self.options.max_clients and not self._evict_idle(now):
             detail = f"the gateway serves at most {self.options.max_clients} devices"
-            self._refuse(route, msg.client_id, Reason.TOO_MANY_CLIENTS, detail, now)
+            self._refuse(route, who, Reason.TOO_MANY_CLIENTS, detail, now)
             return
         if state is None:
             state = self.clients[msg.client_id] = ClientState(msg.client_id, route)
@@ -472,6 +501,17 @@ class Gateway:
                 settings={"credit": self.options.credit, "window": self.options.window},
             ),
         )
+
+    def _evict_idle(self, now: float) -> bool:
+        """Make room by forgetting the device silent the longest, if silent over `client_idle_s`."""
+        oldest = min(self.clients.values(), key=lambda c: c.last_seen)
+        if now - oldest.last_seen < self.options.client_idle_s:
+            return False
+        log.info("forgetting edge %s: silent for %.0f s", oldest.client_id, now - oldest.last_seen)
+        del self.clients[oldest.client_id]
+        self.routes.pop(oldest.route, None)
+        self._rates.pop(oldest.client_id, None)
+        return True
 
     def _on_push(self, route: bytes, state: ClientState, msg: Push, now: float) -> None:
         cid = state.client_id
@@ -525,7 +565,8 @@ class Gateway:
         bound = self.options.max_grad_norm
         if bound > 0:
             for j, (layer, tensor) in enumerate(zip(msg.layers, dense)):
-                norm = float(torch.linalg.vector_norm(tensor, dtype=torch.float32))
+                wide = torch.float64 if tensor.dtype == torch.float64 else torch.float32
+                norm = float(torch.linalg.vector_norm(tensor, dtype=wide))
                 norm /= self.weighting.share(layer.count)
                 if norm <= bound:
                     continue
@@ -573,8 +614,15 @@ class Gateway:
         now = self.clock() if now is None else now
         rnd = self.open
         updated = 0
-        for param, acc in zip(self.params, self.acc):
+        for name, param, acc in zip(self.names, self.params, self.acc):
             avg = acc.average(self.weighting.min_divisor())
+            if avg is not None and not bool(torch.isfinite(avg).all()):
+                # Finite contributions can still overflow float32 together; the model must stay finite.
+                log.error(
+                    "round %d: layer %s's average is not finite; that layer is not updated", rnd.number, name
+                )
+                self.metrics.nonfinite.inc(name)
+                avg = None
             if avg is None:
                 param.grad = None
             else:

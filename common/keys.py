@@ -24,6 +24,7 @@ import datetime
 import os
 import re
 import stat
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ class KeyFileError(ValueError):
 
 def check_name(name: str) -> str:
     """Device names become file names and client ids: letters, digits, '.', '_', '-'."""
-    if not _NAME.match(name) or name.endswith((PUBLIC_SUFFIX, SECRET_SUFFIX)):
+    if not _NAME.fullmatch(name) or name.endswith((PUBLIC_SUFFIX, SECRET_SUFFIX)):
         raise KeyFileError(
             f"device name {name!r} must be 1-64 letters, digits, '.', '_' or '-', starting with a "
             "letter or digit"
@@ -82,19 +83,29 @@ def _render(name: str, public: bytes, secret: bytes | None) -> str:
 
 
 def _write_atomic(path: Path, text: str, mode: int, replace: bool) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    # An unpredictable temporary name, created 0600 and set to `mode` through the descriptor:
+    # nobody sharing the folder can swap or read it in between.
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = Path(name)
     try:
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, mode)  # whatever the umask
         if replace:
             os.replace(tmp, path)
-        else:
+            return
+        try:
             os.link(tmp, path)  # fails if `path` exists: never overwrite a key by accident
-            os.unlink(tmp)
+        except FileExistsError:
+            raise KeyFileError(f"{path}: exists already") from None
+        except OSError:  # a file system without hard links (FAT, some network mounts)
+            if path.exists():
+                raise KeyFileError(f"{path}: exists already") from None
+            os.replace(tmp, path)
+            return
+        tmp.unlink()
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -257,11 +268,20 @@ class EnrolledDevices:
     stopping the gateway.
     """
 
-    def __init__(self, folder: str | os.PathLike[str], refresh_s: float = 0.25) -> None:
+    def __init__(
+        self, folder: str | os.PathLike[str], refresh_s: float = 0.25, miss_gap_s: float = 0.05
+    ) -> None:
         self.folder = Path(folder)
         if not self.folder.is_dir():
             raise KeyFileError(f"{self.folder}: no such folder of enrolled device keys")
+        mode = stat.S_IMODE(self.folder.stat().st_mode)
+        if mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise KeyFileError(
+                f"{self.folder}: others may write here and so enrol any key (mode {mode:04o}); "
+                f"run: chmod 700 {self.folder}"
+            )
         self.refresh_s = refresh_s
+        self.miss_gap_s = miss_gap_s  # a key not found re-checks the folder at most this often
         self._lock = threading.Lock()
         self._signature: tuple = ()
         self._checked = -1e18
@@ -272,44 +292,48 @@ class EnrolledDevices:
         self.refresh(force=True)
 
     def refresh(self, force: bool = False) -> bool:
-        """Re-read the folder if it changed (at most every `refresh_s`); True if it did."""
+        """Re-read the folder if it changed; checked at most every `refresh_s` (`miss_gap_s` when
+        forced by a key not found).  True if the list changed.  Files are read outside the lock."""
         now = time.monotonic()
         with self._lock:
-            if not force and now - self._checked < self.refresh_s:
+            if now - self._checked < (self.miss_gap_s if force else self.refresh_s):
                 return False
             self._checked = now
+        try:
+            with os.scandir(self.folder) as it:
+                files = sorted(
+                    (e.name, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
+                    for e in it
+                    if e.name.endswith(PUBLIC_SUFFIX) and not e.name.startswith(".")
+                    for st in (e.stat(),)
+                )
+        except OSError as exc:
+            self.problems = [f"{self.folder}: cannot list ({exc}); keeping the previous list"]
+            return False
+        signature = tuple(files)
+        if signature == self._signature:
+            return False
+        by_key: dict[bytes, str] = {}
+        problems = []
+        for name, *_ in files:
+            device = name[: -len(PUBLIC_SUFFIX)]
             try:
-                with os.scandir(self.folder) as it:
-                    files = sorted(
-                        (e.name, e.stat().st_mtime_ns, e.stat().st_size)
-                        for e in it
-                        if e.name.endswith(PUBLIC_SUFFIX) and not e.name.startswith(".")
-                    )
-            except OSError as exc:
-                self.problems = [f"{self.folder}: cannot list ({exc}); keeping the previous list"]
-                return False
-            signature = tuple(files)
-            if signature == self._signature and not force:
-                return False
-            by_key: dict[bytes, str] = {}
-            problems = []
-            for name, _, _ in files:
-                device = name[: -len(PUBLIC_SUFFIX)]
-                try:
-                    check_name(device)
-                    public = read_key_file(self.folder / name).public
-                except KeyFileError as exc:
-                    problems.append(str(exc))
-                    continue
-                by_key[public] = device
+                check_name(device)
+                public = read_key_file(self.folder / name).public
+            except KeyFileError as exc:
+                problems.append(str(exc))
+                continue
+            by_key[public] = device
+        with self._lock:
             self._signature = signature
             self._by_key = by_key
             self._names = frozenset(by_key.values())
             self.problems = problems
             self.reloads += 1
-            return True
+        return True
 
     def device_for(self, public_z85: bytes) -> str | None:
+        """The enrolled name of a public key, or None (a miss looks at the folder again, throttled)."""
         self.refresh()
         name = self._by_key.get(public_z85)
         if name is None and self.refresh(force=True):  # enrolled a moment ago?
@@ -318,7 +342,7 @@ class EnrolledDevices:
 
     def is_enrolled(self, name: str) -> bool:
         self.refresh()
-        return name in self._names or (self.refresh(force=True) and name in self._names)
+        return name in self._names
 
     def names(self) -> frozenset[str]:
         self.refresh()

@@ -37,11 +37,14 @@ Faults, when given, are injected here in-process on both directions, which is
 how tests and the demo make a loopback link lossy, late, duplicating or down.
 
 With `curve` set (the default in `elasticfed edge`), the socket is a CURVE
-client of the gateway's public key.  A handshake the gateway's ZAP handler
-refuses (this key is not enrolled, or was revoked) ends the session with
-`EdgeRefused`, as does a gateway that refuses this device's identity; a
-handshake that fails for other reasons (most often the wrong gateway public
-key) is logged and retried.
+client of the gateway's public key, and its routing id carries a random
+suffix (sent encrypted), so no other device can take over its connection.
+A refused or failed handshake (key not enrolled or revoked; the wrong gateway
+public key) is logged and counted, and retried: the refusal in a CURVE
+handshake is not authenticated, so anyone on the path could forge one.  What
+the gateway says over an authenticated connection is final: a revoked key, a
+name that is not this key's, a different model end the session with
+`EdgeRefused`.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -83,6 +87,7 @@ from protocol import (
     decode,
     encode,
     frame_bytes,
+    limits_for,
 )
 
 log = logging.getLogger("elasticfed.edge")
@@ -125,7 +130,6 @@ _FATAL_REJECTS = {
     Reason.MANIFEST.value: "the gateway refused this edge's model",
     Reason.UNAUTHENTICATED.value: "the gateway does not accept this device's key (not enrolled, or revoked)",
     Reason.IDENTITY.value: "the gateway refused this device's name",
-    Reason.TOO_MANY_CLIENTS.value: "the gateway is full",
 }
 _HANDSHAKE_EVENTS = (
     zmq.EVENT_HANDSHAKE_SUCCEEDED
@@ -186,6 +190,7 @@ class EdgeSession:
     ) -> None:
         self.options = options
         self.manifest = manifest
+        self.limits = limits_for(manifest, options.limits)  # what a gateway may send us, at most
         self.cache = cache
         self.clock = clock
         self.metrics = EdgeMetrics()
@@ -213,6 +218,12 @@ class EdgeSession:
         self._sock: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None  # handshake events of the CURVE socket
         self._monitors = itertools.count()
+        # With CURVE the routing id is unguessable (it travels encrypted): handover then only ever
+        # moves this session's own connection.  Without, the client id keeps linksim's per-edge
+        # fates reproducible.
+        suffix = f".{secrets.token_hex(8)}" if options.curve is not None else ""
+        self.routing_id = options.client_id.encode()[: 255 - len(suffix)] + suffix.encode()
+        self._last_failure_log = -math.inf
         self._poller: zmq.Poller | None = None
         # Send time of the newest request answered since the last tick: on a FIFO link a weak
         # push sent before it, still unanswered, was lost rather than late.
@@ -363,8 +374,8 @@ class EdgeSession:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a peer that is not there
         # A stable routing id: the gateway (ROUTER_HANDOVER) hands it to the newest connection.
-        sock.setsockopt(zmq.ROUTING_ID, self.options.client_id.encode())
-        apply_limits(sock, self.options.limits)
+        sock.setsockopt(zmq.ROUTING_ID, self.routing_id)
+        apply_limits(sock, self.limits)
         if self.options.curve is not None:
             configure_client(sock, *self.options.curve)
         # Handshake events: a hello the moment the connection is up (with ZMQ_IMMEDIATE a send
@@ -420,19 +431,24 @@ class EdgeSession:
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._say_hello(now)  # the one at connect was likely refused (not connected yet)
                 continue
-            if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                self.metrics.handshake_failures.inc("refused")
-                raise EdgeRefused(
-                    f"the gateway at {self.options.gateway} refused this device's CURVE key "
-                    f"(ZAP status {event['value']}): it is not enrolled there, or it was revoked; "
-                    f"enrol it with `elasticfed keys enrol`"
+            refused = kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            self.metrics.handshake_failures.inc("refused" if refused else "failed")
+            if now - self._last_failure_log < 10.0:  # libzmq retries quickly; say it now and then
+                continue
+            self._last_failure_log = now
+            if refused:
+                log.error(
+                    "the gateway at %s refused this device's CURVE key (ZAP status %s): it is not "
+                    "enrolled there, or it was revoked; enrol it with `elasticfed keys enrol`. Retrying",
+                    self.options.gateway,
+                    event["value"],
                 )
-            self.metrics.handshake_failures.inc("failed")
-            log.error(
-                "CURVE handshake with %s failed: is the gateway public key (--security-gateway-public-key) "
-                "the key of the gateway at that address? retrying",
-                self.options.gateway,
-            )
+            else:
+                log.error(
+                    "CURVE handshake with %s failed: is --security-gateway-public-key the key of the "
+                    "gateway at that address? Retrying",
+                    self.options.gateway,
+                )
 
     def _say_hello(self, now: float) -> None:
         hello = Hello(
@@ -589,7 +605,7 @@ class EdgeSession:
 
     def _handle(self, frames: list[Any], now: float) -> None:
         try:
-            msg = decode(frames, limits=self.options.limits, manifest=self.manifest)
+            msg = decode(frames, limits=self.limits, manifest=self.manifest)
         except ProtocolError as exc:
             log.warning("dropped a message from the gateway: %s", exc)
             return

@@ -61,6 +61,7 @@ class Limits:
     max_layer_elements: int = 2**31 - 1
     allow_nonfinite: bool = False
     verify_checksums: bool = True
+    encodings: tuple[str, ...] = ("dense", "topk", "lowrank")  # payload encodings accepted
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -310,6 +311,8 @@ class _LayerReader:
         enc = desc.get("enc")
         if type(enc) is not str or enc not in _ENC_KEYS:
             raise ProtocolError(Reason.ENCODING, f"{where}: unknown encoding {enc!r}")
+        if enc not in self.limits.encodings:
+            raise ProtocolError(Reason.ENCODING, f"{where}: encoding {enc} is not accepted here")
         if not kind.with_count and enc != "dense":
             raise ProtocolError(Reason.ENCODING, f"{where}: parameters must be dense, not {enc}")
         allowed = _COMMON_KEYS | _ENC_KEYS[enc] | ({"count"} if kind.with_count else frozenset())
@@ -333,9 +336,14 @@ class _LayerReader:
             raise ProtocolError(
                 Reason.SHAPE, f"{where}: shape {list(shape)}, manifest says {list(spec.shape)}"
             )
-        # Gradients may travel in a narrower float type; parameters must match the model.
+        # Gradients may travel in a narrower float type, never a wider one (a float64 sum for a
+        # float32 layer could overflow it); parameters must match the model.
         if not kind.with_count and dtype != spec.dtype:
             raise ProtocolError(Reason.DTYPE, f"{where}: dtype {dtype}, manifest says {spec.dtype}")
+        if kind.with_count and FLOAT_DTYPES[dtype].itemsize > FLOAT_DTYPES[spec.dtype].itemsize:
+            raise ProtocolError(
+                Reason.DTYPE, f"{where}: dtype {dtype} is wider than the layer's {spec.dtype}"
+            )
 
     def _layout(
         self, desc: dict, enc: str, dtype: torch.dtype, shape: tuple[int, ...], where: str

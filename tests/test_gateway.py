@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 
@@ -103,7 +104,7 @@ def test_hello_with_a_different_model_is_refused_naming_the_layer(gateway: Gatew
     answer = Peer(gateway, "odd").hello(Manifest.from_parameters(other.named_parameters()))
     assert isinstance(answer, Reject) and answer.code == Reason.MANIFEST.value
     assert "entry 0: ours is 2.bias [2] float32, theirs is 2.bias [5] float32" in answer.detail
-    assert gateway.metrics.rejected.get("odd", "manifest") == 1
+    assert gateway.metrics.rejected.get("?", "manifest") == 1  # a claimed name is not a label
 
 
 def test_welcome_carries_credit_and_version(gateway: Gateway) -> None:
@@ -421,15 +422,15 @@ def test_caps_are_sized_from_the_model_and_the_largest_real_messages_fit(gateway
     from protocol import TopK, limits_for
 
     limits = limits_for(gateway.manifest)
-    assert limits == gateway.limits and limits.max_message_bytes < 2**20
-    # The largest messages a real edge sends about this model: float64 dense, full top-k with int64 indices.
+    assert (
+        gateway.limits == dataclasses.replace(limits, encodings=("dense",))
+        and limits.max_message_bytes < 2**20
+    )
+    # The largest messages a real edge sends about this model: dense, full top-k with int64 indices.
     dense = Push(
         seq=1,
         base_version=0,
-        layers=tuple(
-            LayerGradient(s.name, Dense(torch.ones(s.shape, dtype=torch.float64)), 1)
-            for s in gateway.manifest
-        ),
+        layers=tuple(LayerGradient(s.name, Dense(torch.ones(s.shape)), 1) for s in gateway.manifest),
     )
     topk = Push(
         seq=2,
@@ -457,9 +458,24 @@ def msgpack_header() -> bytes:
     return msgpack.packb({"v": 1, "type": "push"})
 
 
-def test_a_compressed_push_that_overflows_once_expanded_is_refused(gateway: Gateway) -> None:
+def test_compressed_pushes_are_refused_unless_accepted_and_refused_if_they_overflow(gateway: Gateway) -> None:
     from protocol import TopK
 
+    i = max(range(len(gateway.params)), key=lambda j: gateway.params[j].numel())
+    sparse = TopK(torch.ones(2), torch.tensor([0, 1]), tuple(gateway.params[i].shape))
+    peer = Peer(gateway, "plain")
+    peer.hello(gateway.manifest)
+    peer.send(Push(seq=1, base_version=0, layers=(LayerGradient(gateway.names[i], sparse, 1),)))
+    answer = peer.recv()
+    assert isinstance(answer, Reject) and answer.code == "encoding" and "not accepted here" in answer.detail
+    gateway.close()
+    model = make_model()
+    gateway = Gateway(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.5),
+        GatewayOptions(bind="tcp://127.0.0.1:0", encodings=("dense", "topk")),
+    )
+    gateway.bind()
     peer = Peer(gateway, "a")
     peer.hello(gateway.manifest)
     i = max(range(len(gateway.params)), key=lambda j: gateway.params[j].numel())  # 12 elements
@@ -471,3 +487,27 @@ def test_a_compressed_push_that_overflows_once_expanded_is_refused(gateway: Gate
     answer = peer.recv()
     assert isinstance(answer, Ack) and not answer.accepted and answer.code == "nonfinite"
     assert gateway.open.steps == 0 and gateway.metrics.rejected.get("a", "nonfinite") == 1
+    gateway.close()
+
+
+def test_a_gradient_wider_than_its_layer_is_refused(gateway: Gateway) -> None:
+    peer = Peer(gateway, "a")
+    peer.hello(gateway.manifest)
+    wide = {n: torch.full_like(p, 1e300, dtype=torch.float64) for n, p in zip(gateway.names, gateway.params)}
+    peer.send(
+        Push(seq=1, base_version=0, layers=tuple(LayerGradient(n, Dense(g), 1) for n, g in wide.items()))
+    )
+    answer = peer.recv()
+    assert isinstance(answer, Reject) and answer.code == "dtype" and "wider than" in answer.detail
+
+
+def test_finite_pushes_that_overflow_together_leave_the_model_finite(gateway: Gateway) -> None:
+    before = {n: p.detach().clone() for n, p in zip(gateway.names, gateway.params)}
+    a, b = Peer(gateway, "a"), Peer(gateway, "b")
+    a.hello(gateway.manifest)
+    b.hello(gateway.manifest)
+    assert a.push(1, grads_for(gateway, 3e38)).accepted and b.push(1, grads_for(gateway, 3e38)).accepted
+    gateway.close_round()
+    for n, p in zip(gateway.names, gateway.params):
+        assert torch.equal(p.detach(), before[n])  # no layer was stepped with inf
+    assert sum(gateway.status()["metrics"]["gateway_nonfinite_layers_total"].values()) == len(gateway.names)
