@@ -295,3 +295,25 @@ def test_a_revoked_edge_agent_stops_with_a_clear_error(fleet: Fleet) -> None:
             agent.session.raise_if_failed()
             time.sleep(0.02)
     agent.close()
+
+
+def test_insecure_mode_says_so_at_start_and_in_every_round_line() -> None:
+    from fleet import free_port, gateway_process
+
+    from common.tasks.digits import build_model
+
+    gateway = gateway_process(free_port(), "--gateway-max-rounds", "2", "--gateway-quorum", "1")
+    endpoint = gateway.wait_for(lambda e: e.get("event") == "ready", 60, "ready")["endpoint"]
+    manifest = Manifest.from_parameters(build_model().named_parameters())
+    dev = ScriptedDevice(endpoint, "plain", manifest)
+    assert isinstance(dev.hello(), Welcome)
+    for r in (1, 2):
+        assert isinstance(dev.push({s.name: torch.full(s.shape, 0.01) for s in manifest}), Ack)
+        if r == 1:
+            dev.wait_version(1)
+    dev.close()
+    summary = gateway.summary(30)
+    assert summary["secure"] is False and summary["version"] == 2
+    err = "".join(gateway.stderr)
+    assert "--insecure: edges connect WITHOUT encryption or authentication" in err
+    assert err.count("[INSECURE: no CURVE, anyone may push]") == 2  # one per round
