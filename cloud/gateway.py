@@ -51,6 +51,7 @@ from cloud.aggregation import (
     SuccessWeighted,
     Weighting,
 )
+from cloud.durability import GatewayCheckpoints
 from common.hooks import trainable_parameters
 from common.link import TokenBucket
 from common.metrics import STALENESS_BUCKETS, Metrics
@@ -269,11 +270,13 @@ class Gateway:
         lr_factor: Callable[[int], float] | None = None,
         admission: CurveAdmission | None = None,
         aggregation: Aggregation | None = None,
+        checkpoints: GatewayCheckpoints | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.options = options or GatewayOptions()
         self.admission = admission  # None: --insecure (anyone reaching the port may talk)
+        self.checkpoints = checkpoints  # None: state lives in memory only
         self.aggregation = aggregation or MeanAggregation()
         self.weighting = weighting or SuccessWeighted()
         self.rounds = rounds or DeadlineQuorum()
@@ -372,7 +375,15 @@ class Gateway:
         self.maybe_close_round()
 
     def close(self, linger_s: float = 1.0) -> None:
-        """Stop serving; replies already queued (the last round's acks) get `linger_s` to leave."""
+        """Stop serving; replies already queued (the last round's acks) get `linger_s` to leave.
+
+        With checkpoints, what the open round holds is applied first and saved: a clean stop
+        keeps every contribution the gateway acknowledged.
+        """
+        if self.checkpoints is not None and self._sock is not None:
+            if self.open.opened_at is not None:
+                self.close_round()
+            self.checkpoints.save(self)
         if self._sock is not None:
             self._sock.close(linger=int(linger_s * 1000))
             self._sock = None
@@ -653,9 +664,21 @@ class Gateway:
         )
         self.open = OpenRound(number=rnd.number + 1, layers=len(self.params))
         log.debug("round %d closed: %s", summary.number, summary.as_dict())
+        if self.checkpoints is not None:
+            self.checkpoints.after_round(self)
         if self.on_round is not None:
             self.on_round(summary)
         return summary
+
+    def resume(self, version: int, round_number: int, clients: dict[str, ClientState]) -> None:
+        """State read back from a checkpoint (cloud/durability.py); edges re-route with their next hello."""
+        self.version = version
+        self.open = OpenRound(number=round_number, layers=len(self.params))
+        self.clients = clients
+        self.routes = {}
+        self._snapshot = self._take_snapshot()
+        self.metrics.version.set(value=version)
+        self.metrics.clients.set(value=len(clients))
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """The current version's parameters; never modified afterwards (safe from any thread)."""

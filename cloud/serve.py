@@ -32,6 +32,7 @@ from cloud.aggregation import (
     aggregation_named,
 )
 from cloud.config import CloudConfig
+from cloud.durability import GatewayCheckpoints
 from cloud.gateway import Gateway, GatewayOptions, RoundSummary
 from common.keys import KeyFileError
 from common.task import Task, TaskError, load_task
@@ -60,6 +61,7 @@ def build_gateway(
     task: Task,
     on_round: Callable[[RoundSummary], None] | None = None,
     admission: CurveAdmission | None = None,
+    checkpoints: GatewayCheckpoints | None = None,
 ) -> Gateway:
     """The gateway the `[gateway]` table describes, around the task's model."""
     g = config.gateway
@@ -95,6 +97,7 @@ def build_gateway(
         weighting=weighting,
         aggregation=aggregation_named(g.aggregation, g.trim),
         admission=admission,
+        checkpoints=checkpoints,
         rounds=DeadlineQuorum(deadline_s=g.round_deadline_s, quorum=g.quorum),
         on_round=on_round,
         lr_factor=CosineDecay(g.lr_decay_rounds) if g.lr_decay_rounds else None,
@@ -147,12 +150,27 @@ def run(args: argparse.Namespace, config: CloudConfig) -> int:
             insecure,
         )
 
-    gateway = build_gateway(config, task, on_round, admission)
+    g = config.gateway
+    checkpoints = (
+        GatewayCheckpoints(g.checkpoint_dir, g.checkpoint_every_rounds, g.checkpoint_keep)
+        if g.checkpoint_dir
+        else None
+    )
+    gateway = build_gateway(config, task, on_round, admission, checkpoints)
+    resumed = checkpoints.restore(gateway) if checkpoints is not None else None
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     endpoint = gateway.bind()
-    print(json.dumps({"event": "ready", "endpoint": endpoint, "gateway_id": gateway.gateway_id}), flush=True)
+    ready = {
+        "event": "ready",
+        "endpoint": endpoint,
+        "gateway_id": gateway.gateway_id,
+        "version": gateway.version,
+        "resumed_from": str(resumed) if resumed else None,
+        "skipped_checkpoints": [f"{p}: {why}" for p, why in checkpoints.skipped] if checkpoints else [],
+    }
+    print(json.dumps(ready), flush=True)
     started = time.monotonic()
     gateway.serve(stop, max_rounds=config.gateway.max_rounds or None)
     accuracy = task.evaluate(gateway.model, task.test_set())

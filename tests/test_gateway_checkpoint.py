@@ -1,0 +1,143 @@
+"""Gateway checkpoints: resume bit-exactly, keep de-duplication across a restart, skip torn files."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from fleet import Proc, free_port
+from test_gateway import Peer, grads_for, make_model
+
+from cloud.aggregation import DeadlineQuorum
+from cloud.durability import GatewayCheckpoints
+from cloud.gateway import Gateway, GatewayOptions
+from protocol import Welcome
+
+
+def gateway_with(directory: Path, every: int = 1) -> tuple[Gateway, GatewayCheckpoints]:
+    model = make_model()
+    checkpoints = GatewayCheckpoints(str(directory), every_rounds=every, keep=3)
+    gw = Gateway(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
+        GatewayOptions(bind="tcp://127.0.0.1:0"),
+        rounds=DeadlineQuorum(deadline_s=60.0, quorum=1),
+        checkpoints=checkpoints,
+    )
+    return gw, checkpoints
+
+
+def play_round(gw: Gateway, peer: Peer, seq: int, value: float) -> None:
+    assert peer.push(seq, grads_for(gw, value), base=gw.version).accepted
+    gw.maybe_close_round()
+
+
+def params(gw: Gateway) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in zip(gw.names, gw.params)}
+
+
+def test_a_restarted_gateway_resumes_bit_exactly_and_remembers_what_it_applied(tmp_path: Path) -> None:
+    first, _ = gateway_with(tmp_path)
+    first.bind()
+    peer = Peer(first, "a")
+    assert isinstance(peer.hello(first.manifest), Welcome)
+    for seq, value in ((1, 0.1), (2, -0.3)):
+        play_round(first, peer, seq, value)
+    saved = params(first)
+    first.close()
+
+    second, checkpoints = gateway_with(tmp_path)
+    assert checkpoints.restore(second) is not None
+    assert second.version == first.version == 2 and second.open.number == 3
+    assert all(torch.equal(saved[n], p) for n, p in params(second).items())
+    second.bind()
+    peer = Peer(second, "a")
+    assert isinstance(peer.hello(second.manifest), Welcome)
+    replay = peer.push(2, grads_for(second, -0.3), base=1)  # applied before the restart
+    assert replay.accepted and replay.detail == "answered before; not applied again"
+    # One more round on both: the optimizer's momentum came back too.
+    play_round(second, peer, 3, 0.2)
+    resumed = params(second)
+    second.close()
+
+    third, checkpoints = gateway_with(tmp_path / "reference")
+    third.bind()
+    peer = Peer(third, "a")
+    peer.hello(third.manifest)
+    for seq, value in ((1, 0.1), (2, -0.3), (3, 0.2)):
+        play_round(third, peer, seq, value)
+    assert all(torch.equal(resumed[n], p) for n, p in params(third).items())
+    third.close()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "random", "other_model"])
+def test_a_torn_or_foreign_newest_checkpoint_is_skipped_for_the_previous_good_one(
+    tmp_path: Path, damage: str
+) -> None:
+    first, checkpoints = gateway_with(tmp_path)
+    first.bind()
+    peer = Peer(first, "a")
+    peer.hello(first.manifest)
+    play_round(first, peer, 1, 0.1)
+    good = params(first)
+    play_round(first, peer, 2, 0.5)
+    newest = checkpoints.last_saved
+    assert newest is not None
+    first.close()
+    data = newest.read_bytes()
+    if damage == "truncate":
+        newest.write_bytes(data[: len(data) // 2])
+    elif damage == "random":
+        newest.write_bytes(torch.randint(0, 256, (len(data),), dtype=torch.uint8).numpy().tobytes())
+    else:  # a checkpoint of another model under the newest name
+        other = torch.nn.Linear(2, 2)
+        from common.checkpoint import write_tensors
+
+        write_tensors(
+            newest, {"model/weight": other.weight.detach()}, {"manifest": "x"}, kind="elasticfed-gateway"
+        )
+
+    second, checkpoints = gateway_with(tmp_path)
+    resumed_from = checkpoints.restore(second)
+    assert resumed_from is not None and resumed_from != newest and second.version == 1
+    assert all(torch.equal(good[n], p) for n, p in params(second).items())
+    assert [p for p, _ in checkpoints.skipped] == [newest]
+    why = checkpoints.skipped[0][1]
+    assert str(newest) in why
+    expected = {"truncate": "truncated", "random": "not a safetensors file", "other_model": "another model"}
+    assert expected[damage] in why, why
+
+
+def test_cloud_serve_resumes_and_says_from_where(tmp_path: Path) -> None:
+    def serve() -> tuple[Proc, dict]:
+        argv = [
+            sys.executable, "-m", "common.cli", "cloud", "serve", "--mode", "standalone", "--insecure",
+            "--gateway-bind", f"tcp://127.0.0.1:{free_port()}", "--gateway-checkpoint-dir", str(tmp_path),
+            "--gateway-checkpoint-every-rounds", "1", "--log-level", "warning",
+        ]  # fmt: skip
+        proc = Proc(argv, "gateway")
+        return proc, proc.wait_for(lambda e: e.get("event") == "ready", 60, "ready")
+
+    proc, ready = serve()
+    assert ready["resumed_from"] is None and ready["version"] == 0
+    from scripted import ScriptedDevice
+
+    from common.tasks.digits import build_model
+    from protocol import Manifest
+
+    manifest = Manifest.from_parameters(build_model().named_parameters())
+    dev = ScriptedDevice(ready["endpoint"], "a", manifest)
+    dev.hello()
+    dev.push({s.name: torch.full(s.shape, 0.01) for s in manifest})
+    dev.wait_version(1)
+    dev.close()
+    proc.signal(signal.SIGTERM)
+    assert proc.summary(30)["version"] == 1
+    proc, ready = serve()
+    assert ready["version"] == 1 and ready["resumed_from"].endswith(".safetensors"), json.dumps(ready)
+    proc.signal(signal.SIGTERM)
+    proc.summary(30)
