@@ -419,11 +419,12 @@ class Gateway:
                 known.route = route
                 self.routes[route] = identity
         who = identity or client
+        size = sum(len(frame_bytes(f)) for f in body)
         if who is not None and (self.options.rate_messages_per_s or self.options.rate_bytes_per_s):
             rate = self._rates.get(who)
             if rate is None:
                 rate = self._rates[who] = _Rate(self.options, now)
-            if not rate.allow(sum(len(frame_bytes(f)) for f in body), now):
+            if not rate.allow(size, now):
                 self._refuse(route, who, Reason.RATE_LIMITED, "over the rate limit; slow down", now)
                 return
         try:
@@ -444,7 +445,7 @@ class Gateway:
             return
         state.last_seen = now
         if isinstance(msg, Push):
-            self.metrics.bytes.inc(state.client_id, by=sum(len(frame_bytes(f)) for f in body))
+            self.metrics.bytes.inc(state.client_id, by=size)
             self._on_push(route, state, msg, now)
         elif isinstance(msg, Heartbeat):
             if msg.resolved_below > state.floor:

@@ -37,9 +37,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import safetensors.torch
 import torch
 import xxhash
+
+# safetensors' own parser (a length-prefixed JSON header and raw bytes): no pickle involved.
+from safetensors.torch import load as parse_safetensors
+from safetensors.torch import save as serialize_safetensors
 
 log = logging.getLogger("elasticfed.checkpoint")
 
@@ -185,7 +188,7 @@ def write_tensors(
     }
     doc["xxh3"] = _checksum(_dumps(doc).encode())
     try:
-        blob = safetensors.torch.save(prepared, metadata={METADATA_KEY: _dumps(doc)})
+        blob = serialize_safetensors(prepared, metadata={METADATA_KEY: _dumps(doc)})
     except Exception as exc:  # unsupported dtype and the like: the caller's tensors, not a file
         raise ValueError(f"safetensors cannot store these tensors: {exc}") from exc
 
@@ -383,7 +386,7 @@ def read_tensors(
     header, data_start = _parse_header(path, data)
     doc = _parse_document(path, header, kind)
     try:
-        tensors = safetensors.torch.load(data)
+        tensors = parse_safetensors(data)
     except Exception as exc:  # SafetensorError, unknown dtype (KeyError/ValueError), ...
         raise CheckpointError(f"{path}: safetensors refused it: {exc}") from exc
     _check_tensors(path, header, doc, data, data_start, tensors)

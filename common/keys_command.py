@@ -17,6 +17,7 @@ import argparse
 import datetime
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from common.config import setting
@@ -75,82 +76,74 @@ def _fail(command: str, message: str) -> int:
     return 2
 
 
-def _need(command: str, **values: str) -> str | None:
-    for flag, value in values.items():
+def _run(command: str, required: dict[str, str], action: Callable[[], list[str]]) -> int:
+    """Check the required flags, run `action`, print its lines; errors name the file and exit 2."""
+    for flag, value in required.items():
         if not value:
-            return f"--{flag.replace('_', '-')} is required"
-    return None
+            return _fail(command, f"--{flag.replace('_', '-')} is required")
+    try:
+        lines = action()
+    except (KeyFileError, OSError) as exc:
+        return _fail(command, str(exc))
+    for line in lines:
+        print(line)
+    return 0
 
 
 def init(args: argparse.Namespace, config: KeysInitConfig) -> int:
-    missing = _need("init", keys_dir=config.keys_dir)
-    if missing:
-        return _fail("init", missing)
-    try:
+    def action() -> list[str]:
         public = KeyFolder(config.keys_dir).init(force=config.force)
-    except (KeyFileError, OSError) as exc:
-        return _fail("init", str(exc))
-    print(f"gateway key folder ready: {config.keys_dir}")
-    print(f"give every device the gateway's public key: {public}")
-    print(f"public key: {read_key_file(public).public.decode()}")
-    return 0
+        return [
+            f"gateway key folder ready: {config.keys_dir}",
+            f"give every device the gateway's public key: {public}",
+            f"public key: {read_key_file(public).public.decode()}",
+        ]
+
+    return _run("init", {"keys_dir": config.keys_dir}, action)
 
 
 def generate_pair(args: argparse.Namespace, config: KeysGenerateConfig) -> int:
-    missing = _need("generate", name=config.name)
-    if missing:
-        return _fail("generate", missing)
-    try:
+    def action() -> list[str]:
         public, secret = generate(config.name, config.out_dir, force=config.force)
-    except (KeyFileError, OSError) as exc:
-        return _fail("generate", str(exc))
-    print(f"secret key (keep on the device, mode 0600): {secret}")
-    print(f"public key (enrol it on the gateway): {public}")
-    print(f"public key: {read_key_file(public).public.decode()}")
-    return 0
+        return [
+            f"secret key (keep on the device, mode 0600): {secret}",
+            f"public key (enrol it on the gateway): {public}",
+            f"public key: {read_key_file(public).public.decode()}",
+        ]
+
+    return _run("generate", {"name": config.name}, action)
 
 
 def enrol(args: argparse.Namespace, config: KeysEnrolConfig) -> int:
-    missing = _need("enrol", keys_dir=config.keys_dir, public_key=config.public_key)
-    if missing:
-        return _fail("enrol", missing)
-    try:
+    def action() -> list[str]:
         name = config.name or read_key_file(config.public_key).name
         if not name:
-            return _fail("enrol", f"{config.public_key} names no device; pass --name")
+            raise KeyFileError(f"{config.public_key} names no device; pass --name")
         path = KeyFolder(config.keys_dir).enrol(name, config.public_key, force=config.force)
-    except (KeyFileError, OSError) as exc:
-        return _fail("enrol", str(exc))
-    print(f"enrolled {name}: {path}")
-    return 0
+        return [f"enrolled {name}: {path}"]
+
+    return _run("enrol", {"keys_dir": config.keys_dir, "public_key": config.public_key}, action)
 
 
 def revoke(args: argparse.Namespace, config: KeysRevokeConfig) -> int:
-    missing = _need("revoke", keys_dir=config.keys_dir, name=config.name)
-    if missing:
-        return _fail("revoke", missing)
-    try:
+    def action() -> list[str]:
         path = KeyFolder(config.keys_dir).revoke(config.name)
-    except (KeyFileError, OSError) as exc:
-        return _fail("revoke", str(exc))
-    print(f"revoked {config.name} (kept as {path}); a running gateway refuses it within a second")
-    return 0
+        return [f"revoked {config.name} (kept as {path}); a running gateway refuses it within a second"]
+
+    return _run("revoke", {"keys_dir": config.keys_dir, "name": config.name}, action)
 
 
 def list_devices(args: argparse.Namespace, config: KeysListConfig) -> int:
-    missing = _need("list", keys_dir=config.keys_dir)
-    if missing:
-        return _fail("list", missing)
-    try:
-        entries = KeyFolder(config.keys_dir).entries()
-    except (KeyFileError, OSError) as exc:
-        return _fail("list", str(exc))
-    for e in entries:
-        since = datetime.datetime.fromtimestamp(e.since, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
-        if config.json:
-            print(json.dumps({"name": e.name, "status": e.status, "public_key": e.public, "since": e.since}))
-        else:
-            print(f"{e.name:<24} {e.status:<9} {since} UTC  {e.public}")
-    if not entries and not config.json:
-        print("no devices enrolled")
-    return 0
+    def action() -> list[str]:
+        lines = []
+        for e in KeyFolder(config.keys_dir).entries():
+            since = datetime.datetime.fromtimestamp(e.since, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
+            if config.json:
+                lines.append(
+                    json.dumps({"name": e.name, "status": e.status, "public_key": e.public, "since": e.since})
+                )
+            else:
+                lines.append(f"{e.name:<24} {e.status:<9} {since} UTC  {e.public}")
+        return lines or ([] if config.json else ["no devices enrolled"])
+
+    return _run("list", {"keys_dir": config.keys_dir}, action)

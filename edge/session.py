@@ -387,7 +387,6 @@ class EdgeSession:
         sock.connect(self.options.gateway)
         self._sock = sock
         poller.register(sock, zmq.POLLIN)
-        self._poller = poller
         self._connected_at = self._last_recv = now
         # Still welcomed after a reconnect: the gateway knows this routing id.  The hello
         # refreshes that; a restarted gateway answers pushes with not_welcomed instead.

@@ -79,8 +79,9 @@ def limits_for(manifest: Manifest, base: Limits = DEFAULT_LIMITS) -> Limits:
     The largest frame is a layer in float64 (or a top-k index frame of int64);
     a message holds at most every layer twice (low-rank and top-k send two
     frames each); the header holds at most a manifest (a hello).  A hostile
-    peer can then make the gateway allocate no more than one such message per
-    connection, instead of `base`'s generic 256 MiB.
+    peer can then make the gateway allocate no more than such messages, and only
+    as many per connection as the socket's receive high-water mark lets queue,
+    instead of `base`'s generic 256 MiB each.
     """
     layers = list(manifest)
     largest = max((spec.numel for spec in layers), default=0)

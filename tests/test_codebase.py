@@ -104,3 +104,16 @@ def test_no_pickle_in_product_code() -> None:
         (p, n) for pkg in PACKAGES for p, n in _imports(pkg) if n in ("pickle", "cloudpickle", "dill")
     )
     assert not bad, bad
+
+
+def test_no_pickle_based_loading_in_product_code() -> None:
+    """No `torch.load`/`torch.save` (pickle inside), nor anything that reads like them, in product code."""
+    bad = []
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Attribute) and node.attr in ("load", "save"):
+                    chain = ast.unparse(node)
+                    if chain.endswith(("torch.load", "torch.save")):
+                        bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {chain}")
+    assert not bad, bad

@@ -511,3 +511,58 @@ def test_finite_pushes_that_overflow_together_leave_the_model_finite(gateway: Ga
     for n, p in zip(gateway.names, gateway.params):
         assert torch.equal(p.detach(), before[n])  # no layer was stepped with inf
     assert sum(gateway.status()["metrics"]["gateway_nonfinite_layers_total"].values()) == len(gateway.names)
+
+
+def test_a_full_client_table_forgets_the_device_silent_longest_once_idle() -> None:
+    clock = [0.0]
+    gw = _gateway(max_clients=1, client_idle_s=600.0)
+    gw.clock = lambda: clock[0]
+    try:
+        assert isinstance(Peer(gw, "old").hello(gw.manifest), Welcome)
+        clock[0] = 599.0
+        answer = Peer(gw, "new").hello(gw.manifest)
+        assert isinstance(answer, Reject) and answer.code == "too_many_clients"  # not idle long enough
+        clock[0] = 601.0
+        assert isinstance(Peer(gw, "new").hello(gw.manifest), Welcome)
+        assert sorted(gw.clients) == ["new"]
+    finally:
+        gw.close()
+
+
+class BrokenWeighting(SuccessWeighted):
+    """A policy with a bug (a user's own object): the service must outlive it."""
+
+    def scale(self, staleness: int) -> float:
+        raise ZeroDivisionError("bug in a user policy")
+
+
+def test_a_message_whose_handling_fails_costs_that_message_not_the_service() -> None:
+    model = make_model()
+    gw = Gateway(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.5),
+        GatewayOptions(bind="tcp://127.0.0.1:0"),
+        weighting=BrokenWeighting(),
+    )
+    gw.bind()
+    try:
+        peer = Peer(gw, "a")
+        peer.hello(gw.manifest)
+        peer.send(Push(seq=1, base_version=0, layers=(LayerGradient(gw.names[0], Dense(torch.zeros(2)), 1),)))
+        answer = peer.recv()
+        assert isinstance(answer, Reject) and answer.code == "malformed"
+        assert "ZeroDivisionError: bug in a user policy" in answer.detail
+        peer.send(Heartbeat(nonce=7))
+        assert isinstance(peer.recv(), Heartbeat)  # still serving
+    finally:
+        gw.close()
+
+
+def test_trimmed_mean_rounds_the_trim_up() -> None:
+    from cloud.aggregation import TrimmedMean
+
+    acc = TrimmedMean(trim=0.2).accumulator(2)
+    for client, value in (("a", 1.0), ("b", 2.0), ("c", 1000.0)):
+        acc.add(client, torch.full((2,), value), 1, 1.0)
+    average = acc.average()
+    assert average is not None and torch.equal(average, torch.full((2,), 2.0))  # one dropped at each end

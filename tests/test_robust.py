@@ -76,7 +76,9 @@ def test_without_defences_the_poisoned_device_drags_the_model() -> None:
 
 
 @pytest.mark.parametrize("policy", ["clip", "reject"])
-def test_the_norm_bound_limits_how_far_any_round_moves_the_model(policy: str) -> None:
+def test_the_norm_bound_limits_how_far_any_round_moves_the_model(
+    policy: str, caplog: pytest.LogCaptureFixture
+) -> None:
     options = GatewayOptions(bind="tcp://127.0.0.1:0", max_grad_norm=BOUND, norm_policy=policy)
     # A refused push adds nothing to its round: the round closes on the honest devices.
     with serving(gateway(options, MeanAggregation(), HONEST if policy == "reject" else HONEST + 1)) as gw:
@@ -96,6 +98,7 @@ def test_the_norm_bound_limits_how_far_any_round_moves_the_model(policy: str) ->
         assert sum(v for k, v in metrics["gateway_clipped_total"].items() if "poisoned" in k) == ROUNDS * 4
     else:
         assert metrics["gateway_rejected_total"] == {"client=poisoned,reason=norm": ROUNDS}
+        assert "refused a message from poisoned (norm): layer" in caplog.text  # the log names the device
 
 
 @pytest.mark.parametrize(
