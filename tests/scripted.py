@@ -77,9 +77,18 @@ class ScriptedDevice:
 
     # ------------------------------------------------------------------ raw
     def send_frames(self, frames: Sequence[Any], timeout_s: float = 5.0) -> None:
-        if not self.sock.poll(int(timeout_s * 1000), zmq.POLLOUT):
-            raise NoReply(f"{self.client_id}: the socket never became writable (handshake refused?)")
-        self.sock.send_multipart(list(frames), copy=False)
+        # Never a blocking send: a pipe can go between POLLOUT and the send (a refused
+        # handshake removes it), and a DEALER with no pipe would block for ever.
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.sock.send_multipart(list(frames), flags=zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise NoReply(f"{self.client_id}: could not send (handshake refused?)") from None
+                self.sock.poll(int(min(left, 0.05) * 1000) + 1, zmq.POLLOUT)
 
     def receive(self, timeout_s: float = 5.0) -> Message:
         if not self.sock.poll(int(timeout_s * 1000)):
