@@ -69,6 +69,11 @@ class GatewaySettings:
     )
     checkpoint_every_rounds: int = setting(10, "rounds between checkpoints (and one at a clean stop)", min=1)
     checkpoint_keep: int = setting(3, "checkpoints kept; older ones are deleted", min=1)
+    checkpoint_every_s: float = setting(
+        30.0,
+        "also checkpoint at the first round close this long after the last one (0: rounds only)",
+        min=0.0,
+    )
 
 
 @dataclass(frozen=True)

@@ -156,6 +156,8 @@ def _edge_argv(config: DemoConfig, i: int, endpoint: str, security: list[str]) -
         "0.5",
         "--drain-s",
         str(config.drain_s),
+        "--state-dir",
+        "",  # one run, nothing to resume
         *security,
         "--log-level",
         "warning",

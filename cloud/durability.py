@@ -7,13 +7,23 @@ one consistent picture, in which every push the gateway judged is either in the
 model or refused.  Files are `common/checkpoint.py` files (safetensors + JSON,
 atomic, validated); a torn or foreign one is skipped with a message naming it.
 
-What this does not do yet (issue #7): tell edges which pushes are durable
-(the commit half of the protocol), and checkpoint on a timer between rounds.
+Once a checkpoint of model version V is on disk, every push this instance
+acknowledged with `epoch <= V` is durable, and the gateway says so to every
+connected edge (a `Commit`; acks and heartbeat replies repeat it).  Edges keep
+what is acknowledged but not yet durable and send it again if this instance
+dies first (edge/cache.py).  The checkpoint records the lineage (each instance
+whose checkpoints this one descends from, and the newest version it wrote), so
+a restarted gateway can tell an edge which of its held acknowledgements were
+written to disk by a predecessor.
+
+Also recorded, for audits: the step-gradients applied per device and layer over
+the whole checkpointed history.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,24 +54,36 @@ class GatewayCheckpoints:
     directory: str
     every_rounds: int = 10
     keep: int = 3
+    every_s: float = 0.0  # also at the first round close this long after the last checkpoint (0: off)
+    lineage_max: int = 1024  # instances remembered in the lineage (the oldest are forgotten)
     store: CheckpointStore = field(init=False)
     last_saved: Path | None = field(default=None, init=False)
     skipped: list[tuple[Path, str]] = field(default_factory=list, init=False)
+    last_saved_at: float = field(default_factory=time.monotonic, init=False)
 
     def __post_init__(self) -> None:
-        if self.every_rounds < 1 or self.keep < 1:
-            raise ValueError(f"every_rounds and keep must be >= 1, got {self.every_rounds}, {self.keep}")
+        if self.every_rounds < 1 or self.keep < 1 or self.lineage_max < 1:
+            raise ValueError(
+                f"every_rounds, keep and lineage_max must be >= 1, got {self.every_rounds}, {self.keep}, "
+                f"{self.lineage_max}"
+            )
+        if self.every_s < 0:
+            raise ValueError(f"every_s must be >= 0 (0: off), got {self.every_s}")
         self.store = CheckpointStore(self.directory, KIND, keep=self.keep)
 
     def after_round(self, gateway: Gateway) -> None:
         closed = gateway.open.number - 1
-        if closed % self.every_rounds == 0:
+        due = self.every_s > 0 and time.monotonic() - self.last_saved_at >= self.every_s
+        if due or closed % self.every_rounds == 0:
             self.save(gateway)
 
     def save(self, gateway: Gateway) -> Path:
-        tensors, meta = export_state(gateway)
+        """Write the gateway's state; once it is on disk, edges are told (the commit)."""
+        tensors, meta = export_state(gateway, self.lineage_max)
         self.last_saved = self.store.save(gateway.version, tensors, meta)
+        self.last_saved_at = time.monotonic()
         log.debug("checkpoint %s (version %d)", self.last_saved, gateway.version)
+        gateway.on_durable(gateway.version)
         return self.last_saved
 
     def restore(self, gateway: Gateway) -> Path | None:
@@ -82,7 +104,7 @@ class GatewayCheckpoints:
         return None
 
 
-def export_state(gateway: Gateway) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def export_state(gateway: Gateway, lineage_max: int = 1024) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Tensors and JSON of a gateway between rounds."""
     tensors = {MODEL_PREFIX + n: p.detach().to("cpu") for n, p in zip(gateway.names, gateway.params)}
     optim_tensors, optim_meta = optimizer_state_tensors(gateway.optimizer)
@@ -90,9 +112,19 @@ def export_state(gateway: Gateway) -> tuple[dict[str, torch.Tensor], dict[str, A
     clients = {
         cid: {
             "floor": state.floor,
-            "verdicts": [[seq, code, attempt] for seq, (code, attempt) in sorted(state.verdicts.items())],
+            "verdicts": [
+                [seq, code, attempt, epoch] for seq, (code, attempt, epoch) in sorted(state.verdicts.items())
+            ],
         }
         for cid, state in gateway.clients.items()
+    }
+    lineage = dict(gateway.lineage)
+    lineage[gateway.gateway_id] = gateway.version  # true once this file is on disk
+    if len(lineage) > lineage_max:
+        lineage = dict(sorted(lineage.items(), key=lambda kv: kv[1])[-lineage_max:])
+    applied = {
+        cid: {name: n for name, n in zip(gateway.names, counts) if n}
+        for cid, counts in gateway.applied_steps.items()
     }
     meta = {
         "manifest": gateway.manifest.digest,
@@ -100,6 +132,8 @@ def export_state(gateway: Gateway) -> tuple[dict[str, torch.Tensor], dict[str, A
         "round": gateway.open.number,
         "optimizer": optim_meta,
         "clients": clients,
+        "lineage": lineage,
+        "applied_steps": applied,
     }
     return tensors, meta
 
@@ -120,11 +154,17 @@ def import_state(
     for cid, entry in meta["clients"].items():
         state = ClientState(str(cid), route=b"")
         state.floor = int(entry["floor"])
-        for seq, code, attempt in entry["verdicts"]:
-            state.record(int(seq), str(code), int(attempt))
+        for seq, code, attempt, epoch in entry["verdicts"]:
+            state.record(int(seq), str(code), int(attempt), int(epoch))
         clients[cid] = state
+    lineage = {str(k): int(v) for k, v in meta["lineage"].items()}
+    applied: dict[str, list[int]] = {}
+    for cid, by_layer in meta["applied_steps"].items():
+        counts = applied[str(cid)] = [0] * len(gateway.names)
+        for name, n in by_layer.items():
+            counts[gateway.layer_index[name]] = int(n)
     load_optimizer_state(gateway.optimizer, tensors, meta["optimizer"])
     with torch.no_grad():
         for name, param in zip(gateway.names, gateway.params):
             param.copy_(tensors[MODEL_PREFIX + name])
-    gateway.resume(int(meta["version"]), int(meta["round"]), clients)
+    gateway.resume(int(meta["version"]), int(meta["round"]), clients, lineage, applied)

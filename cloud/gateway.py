@@ -58,6 +58,7 @@ from common.metrics import STALENESS_BUCKETS, Metrics
 from protocol import (
     DEFAULT_LIMITS,
     Ack,
+    Commit,
     Dense,
     Heartbeat,
     Hello,
@@ -95,7 +96,7 @@ class GatewayOptions:
     credit: int = 8  # pushes a client may have outstanding
     window: int = 1024  # verdicts kept per client for de-duplication
     limits: Limits | None = None  # None: the tightest caps for the model (protocol.limits_for)
-    gateway_id: str = ""  # default: random, new at every start (edges notice a restart)
+    gateway_id: str = ""  # prefix of the instance id, which is new at every start (edges notice a restart)
     max_clients: int = 1024  # devices remembered at once; a hello beyond is refused
     client_idle_s: float = 600.0  # ... unless the device silent the longest has been silent this long
     # Payload encodings accepted from edges (they push dense today); top-k and low-rank cost the
@@ -183,19 +184,20 @@ class ClientState:
     client_id: str
     route: bytes
     floor: int = 0  # every seq below this is resolved on the edge's side
-    # seq -> (code, attempt): code "" is applied; attempt is the copy of the push that was judged.
-    verdicts: dict[int, tuple[str, int]] = field(default_factory=dict)
+    # seq -> (code, attempt, epoch): code "" is applied; attempt is the copy of the push that was
+    # judged; epoch the model version whose checkpoint makes an applied push durable (0: none).
+    verdicts: dict[int, tuple[str, int, int]] = field(default_factory=dict)
     order: list[int] = field(default_factory=list)  # heap of the seqs in `verdicts`
     last_seen: float = 0.0
 
-    def record(self, seq: int, code: str, attempt: int) -> None:
-        self.verdicts[seq] = (code, attempt)
+    def record(self, seq: int, code: str, attempt: int, epoch: int = 0) -> None:
+        self.verdicts[seq] = (code, attempt, epoch)
         heapq.heappush(self.order, seq)
 
-    def pending(self, limit: int) -> tuple[tuple[int, str], ...]:
+    def pending(self, limit: int) -> tuple[tuple[int, str, int], ...]:
         """Verdicts the edge may not have heard yet (oldest first), for a cumulative acknowledgement."""
         seqs = self.order if len(self.order) <= limit else heapq.nsmallest(limit, self.order)
-        return tuple((seq, self.verdicts[seq][0]) for seq in sorted(seqs))
+        return tuple((seq, self.verdicts[seq][0], self.verdicts[seq][2]) for seq in sorted(seqs))
 
     def raise_floor(self, floor: int) -> None:
         """The edge no longer needs verdicts below `floor`: forget them (bounded memory)."""
@@ -284,7 +286,9 @@ class Gateway:
         self.clock = clock
         self.lr_factor = lr_factor  # round number -> multiplier of the optimizer's learning rate
         self._base_lr = [group["lr"] for group in optimizer.param_groups]
-        self.gateway_id = self.options.gateway_id or f"gw-{os.urandom(6).hex()}"
+        # New at every start, even with a configured prefix: edges tell instances apart by it, and
+        # an instance's acknowledgements are durable only through what that instance wrote to disk.
+        self.gateway_id = f"{self.options.gateway_id or 'gw'}-{os.urandom(6).hex()}"
         named = trainable_parameters(model)
         self.manifest = Manifest.from_parameters(model.named_parameters())
         self.names = [n for n, _ in named]
@@ -300,6 +304,13 @@ class Gateway:
         self.open = OpenRound(number=1, layers=len(self.params))
         self.clients: dict[str, ClientState] = {}
         self.routes: dict[bytes, str] = {}
+        # Durability (with checkpoints): the newest model version this instance has on disk, and
+        # for each instance the checkpoints we descend from were written by, the newest version
+        # it wrote (what a restarted edge's held acknowledgements are judged against).
+        self.durable_version = 0
+        self.lineage: dict[str, int] = {}
+        # Step-gradients applied per client and layer, over the whole checkpointed history (audit).
+        self.applied_steps: dict[str, list[int]] = {}
         self.metrics = GatewayMetrics()
         self.metrics.version.set(value=version)
         self._snapshot = self._take_snapshot()
@@ -383,7 +394,8 @@ class Gateway:
         if self.checkpoints is not None and self._sock is not None:
             if self.open.opened_at is not None:
                 self.close_round()
-            self.checkpoints.save(self)
+            if self.durable_version != self.version or self.checkpoints.last_saved is None:
+                self.checkpoints.save(self)
         if self._sock is not None:
             self._sock.close(linger=int(linger_s * 1000))
             self._sock = None
@@ -457,6 +469,8 @@ class Gateway:
                     reply=True,
                     model_version=self.version,
                     verdicts=state.pending(VERDICTS_PER_ANSWER),
+                    durable_version=self.durable_version,
+                    gateway_id=self.gateway_id,
                 ),
             )
         elif isinstance(msg, ModelRequest):
@@ -503,14 +517,25 @@ class Gateway:
         self.routes[route] = msg.client_id
         state.last_seen = now
         self.metrics.clients.set(value=len(self.clients))
+        durable = []
+        for instance in dict.fromkeys(msg.holding):
+            if instance == self.gateway_id:
+                durable.append((instance, self.durable_version))
+            elif instance in self.lineage:
+                durable.append((instance, self.lineage[instance]))
         self._reply(
             route,
             Welcome(
                 gateway_id=self.gateway_id,
                 manifest_digest=self.manifest.digest,
                 model_version=self.version,
-                durable_seq=0,
-                settings={"credit": self.options.credit, "window": self.options.window},
+                durable=tuple(durable),
+                next_seq=max(state.floor, max(state.verdicts, default=-1) + 1),
+                settings={
+                    "credit": self.options.credit,
+                    "window": self.options.window,
+                    "commits": self.checkpoints is not None,
+                },
             ),
         )
 
@@ -532,7 +557,9 @@ class Gateway:
             state.raise_floor(msg.resolved_below)
         if msg.seq < state.floor or msg.seq in state.verdicts:
             self.metrics.duplicates.inc(cid)
-            code, attempt = state.verdicts.get(msg.seq, ("", 0))
+            # Below the floor the verdict is forgotten: the push was applied (or refused) by this
+            # model's history, so the next checkpoint holds it whatever it was.
+            code, attempt, epoch = state.verdicts.get(msg.seq, ("", 0, self._epoch()))
             self._ack(
                 route,
                 msg.seq,
@@ -541,6 +568,7 @@ class Gateway:
                 "answered before; not applied again",
                 count=False,
                 attempt=attempt,
+                epoch=epoch,
             )
             return
         if msg.seq >= state.floor + self.options.window or len(state.verdicts) >= self.options.window:
@@ -559,8 +587,8 @@ class Gateway:
             )
             return
         if not msg.layers:  # nothing to add; only the verdict (and the floor) matter
-            state.record(msg.seq, "", msg.attempt)
-            self._ack(route, msg.seq, True, None, "", attempt=msg.attempt)
+            state.record(msg.seq, "", msg.attempt, self._epoch())
+            self._ack(route, msg.seq, True, None, "", attempt=msg.attempt, epoch=self._epoch())
             return
         scale = self.weighting.scale(staleness)
         dense = [layer.payload.to_dense() for layer in msg.layers]
@@ -592,15 +620,20 @@ class Gateway:
                 self.metrics.clipped.inc(cid, layer.name)
         indices = []
         count = 0
+        applied = self.applied_steps.get(cid)
+        if applied is None:
+            applied = self.applied_steps[cid] = [0] * len(self.params)
         for layer, tensor, factor in zip(msg.layers, dense, factors):
             i = self.layer_index[layer.name]  # the codec checked the name against the manifest
             self.acc[i].add(cid, tensor, self.weighting.share(layer.count), scale * factor)
             self.metrics.applied.inc(cid, layer.name, by=layer.count)
+            applied[i] += layer.count
             indices.append(i)
             count = max(count, layer.count)
         self.open.record(cid, indices, count, staleness, now)
-        state.record(msg.seq, "", msg.attempt)
-        self._ack(route, msg.seq, True, None, "", attempt=msg.attempt)
+        epoch = self._epoch()
+        state.record(msg.seq, "", msg.attempt, epoch)
+        self._ack(route, msg.seq, True, None, "", attempt=msg.attempt, epoch=epoch)
 
     def _on_model_request(self, route: bytes, msg: ModelRequest) -> None:
         if msg.names:
@@ -671,8 +704,30 @@ class Gateway:
             self.on_round(summary)
         return summary
 
-    def resume(self, version: int, round_number: int, clients: dict[str, ClientState]) -> None:
+    def _epoch(self) -> int:
+        """The model version whose checkpoint will hold what is applied now (0: no checkpoints)."""
+        return self.version + 1 if self.checkpoints is not None else 0
+
+    def on_durable(self, version: int) -> None:
+        """A checkpoint of `version` is on disk: tell every connected edge (the commit)."""
+        self.durable_version = version
+        self.lineage[self.gateway_id] = version
+        commit = Commit(durable_version=version, gateway_id=self.gateway_id)
+        for route in list(self.routes):
+            self._reply(route, commit)
+
+    def resume(
+        self,
+        version: int,
+        round_number: int,
+        clients: dict[str, ClientState],
+        lineage: dict[str, int] | None = None,
+        applied_steps: dict[str, list[int]] | None = None,
+    ) -> None:
         """State read back from a checkpoint (cloud/durability.py); edges re-route with their next hello."""
+        self.durable_version = version
+        self.lineage = dict(lineage or {})
+        self.applied_steps = dict(applied_steps or {})
         self.version = version
         self.open = OpenRound(number=round_number, layers=len(self.params))
         self.clients = clients
@@ -699,6 +754,7 @@ class Gateway:
         detail: str,
         count: bool = True,
         attempt: int = 0,
+        epoch: int = 0,
     ) -> None:
         # `count`: a repeated verdict (duplicate of a refused push) is not a second refusal.
         code_text = code.value if isinstance(code, Reason) else (code or "")
@@ -719,6 +775,9 @@ class Gateway:
                 model_version=self.version,
                 attempt=attempt,
                 verdicts=tuple(v for v in verdicts if v[0] != seq),
+                epoch=epoch if accepted else 0,
+                durable_version=self.durable_version,
+                gateway_id=self.gateway_id,
             ),
         )
 
@@ -740,6 +799,7 @@ class Gateway:
             "version": self.version,
             "round": self.open.number,
             "secure": self.admission is not None,
+            "durable_version": self.durable_version if self.checkpoints is not None else None,
             "clients": sorted(self.clients),
             "metrics": self.metrics.registry.snapshot(),
         }

@@ -152,7 +152,9 @@ def run(args: argparse.Namespace, config: CloudConfig) -> int:
 
     g = config.gateway
     checkpoints = (
-        GatewayCheckpoints(g.checkpoint_dir, g.checkpoint_every_rounds, g.checkpoint_keep)
+        GatewayCheckpoints(
+            g.checkpoint_dir, g.checkpoint_every_rounds, g.checkpoint_keep, every_s=g.checkpoint_every_s
+        )
         if g.checkpoint_dir
         else None
     )
@@ -167,6 +169,7 @@ def run(args: argparse.Namespace, config: CloudConfig) -> int:
         "endpoint": endpoint,
         "gateway_id": gateway.gateway_id,
         "version": gateway.version,
+        "durable_version": gateway.durable_version if checkpoints else None,
         "resumed_from": str(resumed) if resumed else None,
         "skipped_checkpoints": [f"{p}: {why}" for p, why in checkpoints.skipped] if checkpoints else [],
     }

@@ -127,7 +127,10 @@ class ElasticEdge(nn.Module):
     def status(self) -> dict[str, object]:
         out = self.session.status()
         out.update(steps=self.steps, trained_from_version=self.version, models_adopted=self.models_adopted)
+        # Counts over this device's saved history (edge/persistence.py), not only this process.
         out["produced_steps"] = {name: unit.produced for unit in self.cache.units for name in unit.names}
+        out["durable_by_layer"] = {name: unit.durable for unit in self.cache.units for name in unit.names}
+        out["dropped_by_layer"] = {name: unit.dropped for unit in self.cache.units for name in unit.names}
         held = self.cache.undelivered_by_unit()
         out["undelivered_by_layer"] = {
             name: held[unit.index] for unit in self.cache.units for name in unit.names

@@ -15,6 +15,21 @@ Merging a weak flight into `pending` would save one buffer but could count
 twice: a lost *ack* is indistinguishable from a lost push until the gateway
 answers.  So new gradients of a unit whose flight is unanswered wait in
 `pending` (their count grows, their memory does not) until it is answered.
+
+Acknowledged is not yet durable: a gateway that checkpoints says, with each ack,
+which checkpoint (`epoch`, a model version) will hold the push, and later that
+the checkpoint is on disk (a commit).  Until then the push's buffer is *held*:
+acknowledged pushes of a unit with the same gateway instance and epoch are
+summed into one held buffer, and a unit with `MAX_HELD` held buffers takes no
+new flight (its pending count grows instead), so memory stays bounded at four
+buffers per unit whatever the commit delay.  If the gateway instance dies before
+its checkpoint, the held sums go back into `pending` and are sent again (see
+`lost_to_pending`); the restarted gateway never saw them, so they count once.
+
+For the edge's own restarts (edge/persistence.py), a unit's pending sum can be
+given a *reserved* sequence number when it is saved: its next flight uses that
+number, so a sum saved, then sent and applied, then reloaded after a crash is
+recognised by the gateway as a duplicate instead of counting twice.
 """
 
 from __future__ import annotations
@@ -22,7 +37,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,6 +62,25 @@ class Flight:
 
 
 @dataclass
+class Held:
+    """Acknowledged pushes of a unit, summed, that the gateway has not yet written to disk."""
+
+    instance: str  # the gateway instance that acknowledged them
+    epoch: int  # durable once that instance has a checkpoint of this model version
+    buffer: torch.Tensor
+    count: int
+    base_version: int
+    release: Any = None  # as Flight.release, for the buffer's last send
+
+
+MAX_HELD = 2  # held sums per unit; at this many the unit waits for a commit before sending again
+
+
+def _free(release: Any) -> bool:
+    return release is None or getattr(release, "done", True)
+
+
+@dataclass
 class UnitState:
     index: int
     names: tuple[str, ...]
@@ -65,6 +99,10 @@ class UnitState:
     staged: bool = False
     staged_first: bool = False
     produced: int = 0  # step-gradients ever added (for the count audit)
+    reserved_seq: int = 0  # the seq the next flight must use (0: a fresh one); see the module docstring
+    held: list[Held] = field(default_factory=list)
+    durable: int = 0  # step-gradients the gateway declared durable (for the count audit)
+    dropped: int = 0  # step-gradients the gateway refused or dropped as too stale
 
     def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Per-layer tensors over a unit buffer (contiguous, so they encode without a copy)."""
@@ -168,10 +206,12 @@ class GradientCache:
         unit = self.units[u]
         with self.lock:
             self._settle(unit)
-            if unit.flight is not None or unit.pending_count == 0:
+            if unit.flight is not None or unit.pending_count == 0 or len(unit.held) >= MAX_HELD:
                 return None
             fresh = unit.spare if unit.spare is not None else self._buffer(unit.numel, unit.dtype)
             unit.spare = None
+            if unit.reserved_seq:
+                seq, unit.reserved_seq = unit.reserved_seq, 0
             flight = Flight(
                 seq=seq,
                 buffer=unit.pending,
@@ -186,18 +226,112 @@ class GradientCache:
             unit.pending_count = 0
             return flight
 
-    def resolve(self, u: int) -> Flight | None:
-        """The gateway answered the flight of unit `u`: its buffer becomes the next spare."""
+    def resolve(self, u: int, hold: tuple[str, int] | None = None) -> Flight | None:
+        """The gateway answered the flight of unit `u`.
+
+        `hold` = (gateway instance, epoch): it was applied but is not durable yet, so it is
+        kept, summed with what that instance acknowledged for the same epoch.  Otherwise
+        its buffer becomes the next spare.
+        """
         unit = self.units[u]
         with self.lock:
             flight, unit.flight = unit.flight, None
             if flight is None:
                 return None
-            # Reuse the buffer only once the transport has let go of it (a zero-copy send may
-            # still be queued); otherwise drop it and let the next take() allocate.
-            if flight.release is None or getattr(flight.release, "done", True):
-                unit.spare = flight.buffer  # not zeroed: the next first add overwrites it
+            if hold is None:
+                self._recycle(unit, flight.buffer, flight.release)
+                return flight
+            instance, epoch = hold
+            same = next((h for h in unit.held if h.instance == instance and h.epoch == epoch), None)
+            if same is None:
+                unit.held.append(
+                    Held(instance, epoch, flight.buffer, flight.count, flight.base_version, flight.release)
+                )
+                return flight
+            # Add into a buffer no send is still reading (a queued zero-copy re-send would
+            # otherwise change under the transport), and let the other one go.
+            if _free(same.release):
+                same.buffer.add_(flight.buffer)
+                self._recycle(unit, flight.buffer, flight.release)
+            elif _free(flight.release):
+                flight.buffer.add_(same.buffer)
+                same.buffer, same.release = flight.buffer, None
+            else:
+                same.buffer = same.buffer + flight.buffer
+                same.release = None
+            same.count += flight.count
+            same.base_version = min(same.base_version, flight.base_version)
             return flight
+
+    def _recycle(self, unit: UnitState, buffer: torch.Tensor, release: Any) -> None:
+        # Reuse the buffer only once the transport has let go of it (a zero-copy send may
+        # still be queued); otherwise drop it and let the next take() allocate.
+        if unit.spare is None and _free(release):
+            unit.spare = buffer  # not zeroed: the next first add overwrites it
+
+    # ------------------------------------------------------------------ durability
+    def commit(self, instance: str, durable_version: int) -> list[int]:
+        """`instance` has a checkpoint of `durable_version` on disk: release what it covers.
+
+        Returns, per unit, the step-gradients that became durable.
+        """
+        released = [0] * len(self.units)
+        with self.lock:
+            for unit in self.units:
+                keep = []
+                for held in unit.held:
+                    if held.instance == instance and held.epoch <= durable_version:
+                        unit.durable += held.count
+                        released[unit.index] += held.count
+                        self._recycle(unit, held.buffer, held.release)
+                    else:
+                        keep.append(held)
+                unit.held = keep
+        return released
+
+    def lost_to_pending(self, instance: str, durable_version: int) -> list[int]:
+        """`instance` died with a checkpoint of `durable_version` at most: what it acknowledged
+        after that was lost with it and goes back into `pending`, to be sent again.
+
+        Call `commit` for the same instance first.  Returns, per unit, the step-gradients
+        moved back.  Until the moved sums are persisted, no send may happen (the caller
+        persists at once; see edge/persistence.py).
+        """
+        moved = [0] * len(self.units)
+        with self.lock:
+            for unit in self.units:
+                keep = []
+                for held in unit.held:
+                    if held.instance != instance or held.epoch <= durable_version:
+                        keep.append(held)
+                        continue
+                    self._settle(unit)
+                    if unit.pending_count == 0:
+                        unit.pending.copy_(held.buffer)
+                        unit.pending_base = held.base_version
+                    else:
+                        unit.pending.add_(held.buffer)
+                        unit.pending_base = min(unit.pending_base, held.base_version)
+                    unit.pending_count += held.count
+                    moved[unit.index] += held.count
+                    self._recycle(unit, held.buffer, held.release)
+                unit.held = keep
+        return moved
+
+    def holding(self) -> list[str]:
+        """Gateway instances whose acknowledged pushes are held here, oldest first."""
+        with self.lock:
+            return list(dict.fromkeys(h.instance for u in self.units for h in u.held))
+
+    def held_steps(self) -> int:
+        """Step-gradients acknowledged but not yet durable (summed over units)."""
+        with self.lock:
+            return sum(h.count for u in self.units for h in u.held)
+
+    def oldest_reserved(self) -> int:
+        """The lowest reserved seq not used yet (0: none)."""
+        with self.lock:
+            return min((u.reserved_seq for u in self.units if u.reserved_seq), default=0)
 
     # ------------------------------------------------------------------- accounting
     def undelivered(self) -> int:
@@ -215,12 +349,14 @@ class GradientCache:
         with self.lock:
             total = 0
             for u in self.units:
-                for t in (u.pending, u.spare, u.staging, u.flight.buffer if u.flight else None):
+                held = [h.buffer for h in u.held]
+                for t in (u.pending, u.spare, u.staging, u.flight.buffer if u.flight else None, *held):
                     if t is not None:
                         total += t.numel() * t.element_size()
             return total
 
     def bound_bytes(self) -> int:
-        """The most `host_bytes()` can ever be: pending + flight (+ staging on a GPU) per unit."""
-        per = 3 if self.pin_memory else 2
+        """The most `host_bytes()` can be: pending, flight and `MAX_HELD` held sums (+ staging on a GPU)
+        per unit; a spare only exists when one of those does not."""
+        per = 2 + MAX_HELD + (1 if self.pin_memory else 0)
         return per * sum(u.numel * u.dtype.itemsize for u in self.units)

@@ -72,7 +72,12 @@ class EdgeConfig:
         check=faults_spec,
     )
     compression: str = compression_setting("payload compression")
-    cache_dir: str = setting(".elasticfed/edge", "where the weak-sync cache survives restarts")
+    state_dir: str = setting(
+        ".elasticfed/edge", "where the gradient cache and sequence numbers survive restarts (empty: nowhere)"
+    )
+    persist_every_s: float = setting(
+        10.0, "save the cache this often when it changed (what a power cut can lose)", min=0.1
+    )
     log_level: str = log_level_setting()
     train: EdgeTrain = section(EdgeTrain, "local training")
     security: EdgeSecurity = section(EdgeSecurity, "CURVE keys")

@@ -64,6 +64,8 @@ def session_options(
         faults=Faults.parse(config.faults),
         settings={"sync_every": config.sync_every, "timeout_ms": config.timeout_ms},
         curve=curve,
+        state_dir=config.state_dir,
+        persist_every_s=config.persist_every_s,
     )
 
 
@@ -97,9 +99,7 @@ def run(args: argparse.Namespace, config: EdgeConfig) -> int:
     # file's own name is the usual choice.
     client_id = config.client_id or (curve[0].name if curve and curve[0].name else socket.gethostname())
     if curve is None:
-        log.warning(
-            "--insecure: this agent's link to %s is NOT encrypted or authenticated", config.gateway
-        )
+        log.warning("--insecure: this agent's link to %s is NOT encrypted or authenticated", config.gateway)
     if config.compression != "none":
         print(
             f"elasticfed edge: error: --compression {config.compression}: the edge pushes dense "
@@ -124,11 +124,27 @@ def run(args: argparse.Namespace, config: EdgeConfig) -> int:
         shuffle=True,
         generator=torch.Generator().manual_seed(config.train.seed + 17),
     )
-    agent = ElasticEdge(
-        model,
-        session_options(config, client_id, curve),
-        sync_every=config.sync_every,
-        pack_cap_bytes=config.pack_cap_kib * 1024,
+    try:
+        agent = ElasticEdge(
+            model,
+            session_options(config, client_id, curve),
+            sync_every=config.sync_every,
+            pack_cap_bytes=config.pack_cap_kib * 1024,
+        )
+    except OSError as exc:
+        print(f"elasticfed edge: error: --state-dir {config.state_dir}: {exc}", file=sys.stderr)
+        return 2
+    state = agent.session.state
+    begin = agent.status()
+    _emit(
+        "start",
+        client=client_id,
+        resumed_from=str(state.loaded) if state is not None and state.loaded else None,
+        skipped_states=[f"{p}: {why}" for p, why in state.skipped] if state is not None else [],
+        produced_steps=begin["produced_steps"],
+        durable_steps=begin["durable_by_layer"],
+        undelivered_steps=begin["undelivered_steps"],
+        held_steps=begin["held_steps"],
     )
     optimizer = torch.optim.SGD(agent.parameters(), lr=config.train.lr or task.lr, momentum=task.momentum)
     stop = threading.Event()
@@ -165,6 +181,8 @@ def run(args: argparse.Namespace, config: EdgeConfig) -> int:
                         t=round(now - started, 3),
                         link_t=status["link_t"],
                         steps=agent.steps,
+                        # step-gradients of the least advanced unit over the saved history
+                        produced=min(unit.produced for unit in agent.cache.units),
                         loss=float(loss.detach()),
                         version=agent.version,
                         undelivered_steps=status["undelivered_steps"],
@@ -190,6 +208,9 @@ def run(args: argparse.Namespace, config: EdgeConfig) -> int:
         delivered_all=delivered_all,
         undelivered_steps=status["undelivered_steps"],
         produced_steps=status["produced_steps"],
+        durable_steps=status["durable_by_layer"],
+        dropped_steps=status["dropped_by_layer"],
+        held_steps=status["held_steps"],
         undelivered_by_layer=status["undelivered_by_layer"],
         delivered_steps=_by_layer(status["metrics"]["edge_delivered_steps_total"]),
         dropped_stale_steps=_by_layer(status["metrics"]["edge_dropped_stale_steps_total"]),

@@ -31,7 +31,17 @@ pushes, one unanswered push per unit, and keeps the protocol's promises:
   The routing id is the client id, so the new connection takes over the old
   one at the gateway and pushes continue without waiting for the welcome;
 - announced model versions (in acks, heartbeats and the welcome) are fetched
-  and left for the training thread to adopt between steps.
+  and left for the training thread to adopt between steps;
+- durability: with a gateway that checkpoints, an ack names the checkpoint
+  (`epoch`) that will hold the push, and the push stays *held* in the cache
+  until that checkpoint is on disk (a commit, repeated in acks and heartbeat
+  replies).  The hello names the gateway instances whose pushes are held; the
+  welcome says through which version each of them wrote checkpoints that this
+  gateway resumed from.  Held sums beyond that were lost with a dead instance
+  and are sent again as new pushes;
+- with `state_dir`, the cache, the sequence numbers and the counts are saved
+  there every `persist_every_s` when they changed, at once after held sums went
+  back to pending, and at close, and loaded at start (edge/persistence.py).
 
 Faults, when given, are injected here in-process on both directions, which is
 how tests and the demo make a loopback link lossy, late, duplicating or down.
@@ -67,9 +77,11 @@ from common.keys import KeyPair, configure_client
 from common.link import Backoff, Faults, FaultyChannel
 from common.metrics import LATENCY_BUCKETS_S, STALENESS_BUCKETS, Metrics
 from edge.cache import Flight, GradientCache
+from edge.persistence import EdgeState
 from protocol import (
     DEFAULT_LIMITS,
     Ack,
+    Commit,
     Dense,
     Heartbeat,
     Hello,
@@ -109,12 +121,16 @@ class SessionOptions:
     settings: dict[str, object] = field(default_factory=dict)  # told to the gateway in hello
     # (this device's key pair, the gateway's public key), both Z85; None: no CURVE (--insecure)
     curve: tuple[KeyPair, bytes] | None = field(default=None, repr=False)
+    state_dir: str = ""  # where the cache survives restarts ("": it does not)
+    persist_every_s: float = 10.0  # at most this much training is lost to a power cut
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0 or self.heartbeat_s <= 0:
             raise ValueError("timeout_s and heartbeat_s must be positive")
         if self.liveness < 1:
             raise ValueError("liveness is a number of heartbeats, at least 1")
+        if self.persist_every_s <= 0:
+            raise ValueError("persist_every_s must be positive")
         if not self.client_id:
             raise ValueError("client_id must not be empty")
         if len(self.client_id.encode()) > 255 or self.client_id.startswith("\x00"):
@@ -174,6 +190,15 @@ class EdgeMetrics:
             "edge_handshake_failures_total", "CURVE handshakes with the gateway that failed", ["kind"]
         )
         self.models = m.counter("edge_models_received_total", "model versions received")
+        self.durable = m.counter(
+            "edge_durable_steps_total", "step-gradients the gateway wrote to disk (a commit)", ["layer"]
+        )
+        self.resent_lost = m.counter(
+            "edge_lost_by_gateway_steps_total",
+            "acknowledged step-gradients a gateway lost in a crash, sent again",
+            ["layer"],
+        )
+        self.persists = m.counter("edge_state_saves_total", "times the cache was saved to disk")
         self.pushes = m.counter("edge_pushes_total", "push messages sent (first sends and re-sends)")
 
 
@@ -210,6 +235,8 @@ class EdgeSession:
         self.window = 1024
         self.welcomed = False
         self.gateway_id = ""
+        self.commits = False  # whether the gateway checkpoints (acks then carry epochs)
+        self._durable_seen: dict[str, int] = {}  # instance -> newest durable version heard
         self.announced = model_version
         self._model_asked_at = -1.0  # newest model request not answered yet (-1: none)
         self._model_first_ask = -1.0  # oldest one: an answer covers at least that request
@@ -264,6 +291,14 @@ class EdgeSession:
         self._wake_tx.connect(address)
         self._thread = threading.Thread(target=self._run, name=f"edge-io-{options.client_id}", daemon=True)
 
+        self.state: EdgeState | None = None
+        self._persisted: tuple[int, ...] | None = None
+        self._next_persist = start + options.persist_every_s
+        if options.state_dir:
+            self.state = EdgeState(options.state_dir, options.client_id)
+            if self.state.load(self) is not None:
+                self._persisted = self._signature()
+
     # ============================================================ training thread
     def start(self) -> None:
         self._thread.start()
@@ -291,7 +326,13 @@ class EdgeSession:
         with self._lock:
             self._wanted.update(range(len(self.cache.units)))
             self._wake()
-        while self.cache.undelivered() and self.clock() < deadline and self._error is None:
+        # Delivered, and (from a gateway that checkpoints) durable: without a state directory,
+        # what is held when the agent exits is lost if the gateway then dies before its checkpoint.
+        while (
+            (self.cache.undelivered() or (self.commits and self.cache.held_steps()))
+            and self.clock() < deadline
+            and self._error is None
+        ):
             time.sleep(0.01)
         delivered = self.cache.undelivered() == 0
         self._stop.set()
@@ -300,6 +341,14 @@ class EdgeSession:
             self._wake()
         self._thread.join(timeout=5.0)
         self._wake_tx.close(linger=0)
+        if self.state is not None and not self._thread.is_alive():
+            self._persist(self.clock(), force=True)
+        elif self.cache.held_steps():
+            log.warning(
+                "%d acknowledged step-gradients are not durable yet and are not saved (no state "
+                "directory): they are lost if the gateway dies before its next checkpoint",
+                self.cache.held_steps(),
+            )
         return delivered
 
     def _wake(self) -> None:
@@ -349,6 +398,8 @@ class EdgeSession:
 
     def _next_wakeup(self, now: float) -> float:
         times = [now + self.options.heartbeat_s]
+        if self.state is not None:
+            times.append(self._next_persist)
         if self._has_weak():
             times.append(self._last_probe + self._probe_s)
             for u in self._flights.values():
@@ -456,6 +507,7 @@ class EdgeSession:
             model_version=self.have_version,
             next_seq=self.seq,
             settings=dict(self.options.settings),
+            holding=tuple(self.cache.holding()[:16]),
         )
         self._last_hello = now
         self._send(encode(hello), now)
@@ -532,15 +584,23 @@ class EdgeSession:
                 self._wanted.discard(u)
             if flight is None:
                 continue
-            self._flights[flight.seq] = u
+            if flight.seq == self.seq:
+                self.seq += 1
+            # A reserved seq (edge/persistence.py) is older than flights already out: keep
+            # _flights ordered by seq, which _oldest_unanswered relies on.
+            if self._flights and flight.seq < next(reversed(self._flights)):
+                self._flights = dict(sorted({**self._flights, flight.seq: u}.items()))
+            else:
+                self._flights[flight.seq] = u
             self._outstanding_n += 1  # a new flight starts outstanding
-            self.seq += 1
             if not self._push(u, flight, now):
                 self._mark_weak(u, flight)
 
     def _oldest_unanswered(self) -> int:
-        # _flights is keyed by seq in insertion order, and seqs are handed out increasing.
-        return next(iter(self._flights), self.seq)
+        # _flights is keyed by seq in increasing order; a reserved seq is not sent yet but will be.
+        oldest = next(iter(self._flights), self.seq)
+        reserved = self.cache.oldest_reserved()
+        return min(oldest, reserved) if reserved else oldest
 
     def _outstanding(self) -> int:
         return self._outstanding_n
@@ -616,7 +676,10 @@ class EdgeSession:
         elif isinstance(msg, Heartbeat):
             self._covers(self._probes_sent.pop(msg.nonce, -math.inf))
             self._announce(msg.model_version)
-            self._settle(msg.verdicts, now)
+            self._settle(msg.verdicts, msg.gateway_id, now)
+            self._commit(msg.gateway_id, msg.durable_version)
+        elif isinstance(msg, Commit):
+            self._commit(msg.gateway_id, msg.durable_version)
         elif isinstance(msg, Welcome):
             self._on_welcome(msg, now)
         elif isinstance(msg, Model):
@@ -638,6 +701,13 @@ class EdgeSession:
         self.welcomed = True
         self.credit = _int_setting(msg.settings, "credit", 8)
         self.window = _int_setting(msg.settings, "window", 1024)
+        self.commits = msg.settings.get("commits") is True
+        # Above everything the gateway judged from this client id: after a restart that lost
+        # this edge's newest state, a reused seq would be taken for a duplicate.
+        self.seq = max(self.seq, msg.next_seq)
+        self._on_durable_list(msg, now)
+        if new_instance:
+            self._covers(now)  # reloaded flights (edge/persistence.py) go again now
         if restarted:
             log.info("gateway %s is a new instance: re-sending every unanswered push", msg.gateway_id)
             self._covers(now)  # it holds nothing we sent its predecessor
@@ -664,8 +734,49 @@ class EdgeSession:
                 self._covers(flight.last_sent)
                 if flight.attempts and msg.code != Reason.NOT_WELCOMED.value:
                     self._adapt_resend(msg.attempt)
-            self._verdict(msg.seq, msg.accepted, msg.code, msg.detail, now)
-        self._settle(msg.verdicts, now)
+            self._verdict(msg.seq, msg.accepted, msg.code, msg.detail, now, msg.gateway_id, msg.epoch)
+        self._settle(msg.verdicts, msg.gateway_id, now)
+        self._commit(msg.gateway_id, msg.durable_version)
+
+    # ---------------------------------------------------------------- durability
+    def _commit(self, instance: str, durable_version: int) -> None:
+        """`instance` has a checkpoint of `durable_version` on disk: release what it covers."""
+        if not instance or durable_version <= self._durable_seen.get(instance, 0):
+            return
+        self._durable_seen[instance] = durable_version
+        while len(self._durable_seen) > 64:  # instances long gone
+            del self._durable_seen[next(iter(self._durable_seen))]
+        for u, n in enumerate(self.cache.commit(instance, durable_version)):
+            if n:
+                for name in self.cache.units[u].names:
+                    self.metrics.durable.inc(name, by=n)
+
+    def _on_durable_list(self, msg: Welcome, now: float) -> None:
+        """The welcome's answer about held instances: durable through a version, or lost."""
+        moved_any = False
+        for instance, version in msg.durable:
+            self._commit(instance, version)
+            if instance == msg.gateway_id:
+                continue  # alive: the rest of what it holds becomes durable with its next commits
+            moved = self.cache.lost_to_pending(instance, version)
+            for u, n in enumerate(moved):
+                if n:
+                    moved_any = True
+                    for name in self.cache.units[u].names:
+                        self.metrics.resent_lost.inc(name, by=n)
+            if any(moved):
+                log.warning(
+                    "gateway instance %s died before writing %d acknowledged step-gradients of this "
+                    "edge to disk (it checkpointed through version %d): sending them again",
+                    instance,
+                    sum(moved),
+                    version,
+                )
+                with self._lock:
+                    self._wanted.update(u for u, n in enumerate(moved) if n)
+        if moved_any and self.state is not None:
+            # Before anything is sent: a reload must not find those sums held *and* in pending.
+            self._persist(now, force=True)
 
     def _covers(self, sent_at: float) -> None:
         self._answer_covers = max(self._answer_covers, sent_at)
@@ -680,13 +791,15 @@ class EdgeSession:
             self.loses_messages = True
             self.resend_s = max(self._resend_min_s, self.resend_s / 2)
 
-    def _settle(self, verdicts: Sequence[tuple[int, str]], now: float) -> None:
+    def _settle(self, verdicts: Sequence[tuple[int, str, int]], instance: str, now: float) -> None:
         """Verdicts repeated by the gateway (a cumulative ack): settle the pushes still waiting."""
-        for seq, code in verdicts:
+        for seq, code, epoch in verdicts:
             if seq in self._flights:
-                self._verdict(seq, not code, code, "", now)
+                self._verdict(seq, not code, code, "", now, instance, epoch)
 
-    def _verdict(self, seq: int, accepted: bool, code: str, detail: str, now: float) -> None:
+    def _verdict(
+        self, seq: int, accepted: bool, code: str, detail: str, now: float, instance: str = "", epoch: int = 0
+    ) -> None:
         u = self._flights.get(seq)
         if u is None:
             return  # an answer to a push already answered (a duplicate or late ack)
@@ -701,9 +814,20 @@ class EdgeSession:
                 self._say_hello(now)
             return
         del self._flights[seq]
-        flight = self.cache.resolve(u)
+        # Applied by a gateway that checkpoints: held until its checkpoint of `epoch` is on disk.
+        hold = (instance, epoch) if accepted and epoch and instance else None
+        if hold is not None and epoch <= self._durable_seen.get(instance, 0):
+            hold = None  # that checkpoint is on disk already (a late or repeated verdict)
+        flight = self.cache.resolve(u, hold)
         if flight is None:
             return
+        unit = self.cache.units[u]
+        if not accepted:
+            unit.dropped += flight.count
+        elif hold is None and epoch:
+            unit.durable += flight.count
+            for name in unit.names:
+                self.metrics.durable.inc(name, by=flight.count)
         self._set_outstanding(flight, False)
         names = self.cache.units[u].names
         for name in names:
@@ -769,6 +893,8 @@ class EdgeSession:
 
     # ---------------------------------------------------------------------- timers
     def _tick(self, now: float) -> None:
+        if self.state is not None and now >= self._next_persist:
+            self._persist(now)
         if self.down is not None:
             for frames in self.down.due(now):
                 self._handle(frames, now)
@@ -797,6 +923,31 @@ class EdgeSession:
         elif now - self._last_send >= self.options.heartbeat_s:
             self._heartbeat(now)
 
+    def _signature(self) -> tuple[int, ...]:
+        """Changes whenever the state worth saving does (cheap: counts, not bytes)."""
+        units = self.cache.units
+        return (
+            self.seq,
+            sum(u.produced for u in units),
+            sum(u.durable + u.dropped for u in units),
+            len(self._flights),
+            self.cache.held_steps(),
+        )
+
+    def _persist(self, now: float, force: bool = False) -> None:
+        assert self.state is not None
+        self._next_persist = now + self.options.persist_every_s
+        signature = self._signature()
+        if not force and signature == self._persisted:
+            return
+        try:
+            self.state.save(self)
+        except OSError as exc:  # a full or read-only disk must not stop training; say so
+            log.error("could not save the edge state to %s: %s", self.options.state_dir, exc)
+            return
+        self._persisted = signature
+        self.metrics.persists.inc()
+
     def _heartbeat(self, now: float) -> None:
         nonce = next(self._nonce)
         self._probes_sent[nonce] = now
@@ -813,6 +964,7 @@ class EdgeSession:
             "link_t": round(self.clock() - self.started, 3),
             "model_version": self.have_version,
             "undelivered_steps": self.cache.undelivered(),
+            "held_steps": self.cache.held_steps(),
             "cache_bytes": self.cache.host_bytes(),
             "cache_bound_bytes": self.cache.bound_bytes(),
             "metrics": self.metrics.registry.snapshot(),

@@ -107,22 +107,51 @@ class ManifestKind(Kind):
 
 
 class VerdictList(Kind):
-    """Verdicts on recent pushes as [seq, code] pairs; code "" means applied."""
+    """Verdicts on recent pushes as [seq, code, epoch]; code "" means applied, epoch as in Ack."""
 
     MAX_ITEMS = 256
 
-    def check(self, value: object, where: str) -> tuple[tuple[int, str], ...]:
+    def check(self, value: object, where: str) -> tuple[tuple[int, str, int], ...]:
         if type(value) is not list or len(value) > self.MAX_ITEMS:
-            raise _bad(where, f"a list of at most {self.MAX_ITEMS} [seq, code] pairs", value)
+            raise _bad(where, f"a list of at most {self.MAX_ITEMS} [seq, code, epoch] triples", value)
         out = []
         for i, item in enumerate(value):
-            if type(item) is not list or len(item) != 2:
-                raise _bad(f"{where}[{i}]", "a [seq, code] pair", item)
-            out.append((UINT.check(item[0], f"{where}[{i}][0]"), CODE.check(item[1], f"{where}[{i}][1]")))
+            if type(item) is not list or len(item) != 3:
+                raise _bad(f"{where}[{i}]", "a [seq, code, epoch] triple", item)
+            at = f"{where}[{i}]"
+            out.append(
+                (
+                    UINT.check(item[0], f"{at}[0]"),
+                    CODE.check(item[1], f"{at}[1]"),
+                    UINT.check(item[2], f"{at}[2]"),
+                )
+            )
         return tuple(out)
 
     def to_wire(self, value: Any) -> object:
-        return [[seq, code] for seq, code in value]
+        return [[seq, code, epoch] for seq, code, epoch in value]
+
+
+class DurableList(Kind):
+    """[instance, version] pairs: through which model version each gateway instance's pushes are on disk."""
+
+    MAX_ITEMS = 16
+    instance = Str(256)
+
+    def check(self, value: object, where: str) -> tuple[tuple[str, int], ...]:
+        if type(value) is not list or len(value) > self.MAX_ITEMS:
+            raise _bad(where, f"a list of at most {self.MAX_ITEMS} [instance, version] pairs", value)
+        out = []
+        for i, item in enumerate(value):
+            if type(item) is not list or len(item) != 2:
+                raise _bad(f"{where}[{i}]", "an [instance, version] pair", item)
+            out.append(
+                (self.instance.check(item[0], f"{where}[{i}][0]"), UINT.check(item[1], f"{where}[{i}][1]"))
+            )
+        return tuple(out)
+
+    def to_wire(self, value: Any) -> object:
+        return [[instance, version] for instance, version in value]
 
 
 class Layers(Kind):
@@ -177,17 +206,27 @@ class Hello(Message):
     model_version: int = wire(UINT)
     next_seq: int = wire(UINT)
     settings: dict[str, object] = wire(Settings(), default_factory=dict)
+    # Gateway instances whose acknowledged pushes this edge still holds, not yet known durable.
+    holding: tuple[str, ...] = wire(StrList(DurableList.MAX_ITEMS, 256), default=())
 
 
 @dataclass(frozen=True)
 class Welcome(Message):
-    """Gateway -> edge: accepted; what the gateway already holds from this edge."""
+    """Gateway -> edge: accepted; what the gateway already holds from this edge.
+
+    `gateway_id` is new at every start of a gateway.  `durable` answers the hello's
+    `holding`: for each of those instances this gateway's checkpoints descend from,
+    the newest model version it wrote to disk (an instance not listed wrote none
+    that this gateway resumed from: its acknowledged pushes are lost, send them again).
+    """
 
     TYPE: ClassVar[str] = "welcome"
     gateway_id: str = wire(ID)
     manifest_digest: str = wire(Str(64))
     model_version: int = wire(UINT)
-    durable_seq: int = wire(UINT)
+    durable: tuple[tuple[str, int], ...] = wire(DurableList(), default=())
+    # The lowest seq this edge may use for a new push (above everything the gateway judged).
+    next_seq: int = wire(UINT, default=0)
     settings: dict[str, object] = wire(Settings(), default_factory=dict)
 
 
@@ -220,15 +259,27 @@ class Ack(Message):
     attempt: int = wire(UINT, default=0)  # the push's attempt whose copy was applied
     # Verdicts on this edge's other unresolved pushes: any one answer that gets through a
     # lossy link settles everything the gateway has judged (a cumulative acknowledgement).
-    verdicts: tuple[tuple[int, str], ...] = wire(VERDICTS, default=())
+    verdicts: tuple[tuple[int, str, int], ...] = wire(VERDICTS, default=())
+    # Applied pushes are durable once a checkpoint of model version `epoch` (or newer) is on
+    # disk; `durable_version` is the newest such checkpoint of this gateway.  0: no checkpoints.
+    epoch: int = wire(UINT, default=0)
+    durable_version: int = wire(UINT, default=0)
+    gateway_id: str = wire(ID, default="")  # the instance whose epochs these are
 
 
 @dataclass(frozen=True)
 class Commit(Message):
-    """Gateway -> edge: every push of this edge up to `durable_seq` survives a crash."""
+    """Gateway -> edge: every push this gateway instance acknowledged with an epoch up to
+    `durable_version` is in a checkpoint on disk and survives any crash.
+
+    Durability is named by model version rather than by sequence number: the edge sums
+    acknowledged pushes of a layer while it waits (bounded memory), and a sum can only be
+    released or re-sent as a whole; all pushes applied before a checkpoint share its version.
+    """
 
     TYPE: ClassVar[str] = "commit"
-    durable_seq: int = wire(UINT)
+    durable_version: int = wire(UINT)
+    gateway_id: str = wire(ID, default="")
 
 
 @dataclass(frozen=True)
@@ -259,7 +310,9 @@ class Heartbeat(Message):
     reply: bool = wire(BOOL, default=False)
     model_version: int = wire(UINT, default=0)  # from the gateway: its newest model (an announcement)
     resolved_below: int = wire(UINT, default=0)  # from the edge: as in Push
-    verdicts: tuple[tuple[int, str], ...] = wire(VERDICTS, default=())  # from the gateway: as in Ack
+    verdicts: tuple[tuple[int, str, int], ...] = wire(VERDICTS, default=())  # from the gateway: as in Ack
+    durable_version: int = wire(UINT, default=0)  # from the gateway: as in Ack
+    gateway_id: str = wire(ID, default="")  # from the gateway: as in Ack
 
 
 @dataclass(frozen=True)

@@ -127,10 +127,13 @@ class Proc:
 
 
 def edge(endpoint: str, client_id: str, *flags: str) -> Proc:
-    """`python -m edge` on the digits task, quiet; --insecure (tests/test_security.py covers CURVE)."""
+    """`python -m edge` on the digits task, quiet; --insecure (tests/test_security.py covers CURVE).
+
+    Nothing is saved unless the flags give a --state-dir (tests must not share state).
+    """
     argv = [
         sys.executable, "-m", "edge", "--gateway", endpoint, "--client-id", client_id,
-        "--insecure", "--log-level", "warning", *flags,
+        "--insecure", "--log-level", "warning", "--state-dir", "", *flags,
     ]  # fmt: skip
     return Proc(argv, client_id)
 

@@ -33,8 +33,17 @@ def test_codec_benchmark_reports_its_figures() -> None:
 @pytest.mark.slow
 def test_cloud_sync_benchmark_reports_its_figures() -> None:
     result = subprocess.run(
-        [sys.executable, "benchmarks/cloud_sync.py", "--rounds", "1", "--steps", "2", "--models", "deep",
-         "wide"],
+        [
+            sys.executable,
+            "benchmarks/cloud_sync.py",
+            "--rounds",
+            "1",
+            "--steps",
+            "2",
+            "--models",
+            "deep",
+            "wide",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -22,6 +22,7 @@ from cloud.aggregation import (
 from cloud.gateway import Gateway, GatewayOptions
 from protocol import (
     Ack,
+    Commit,
     Dense,
     Heartbeat,
     Hello,
@@ -53,6 +54,7 @@ class Peer:
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(gateway.bound_endpoint)
+        self.commits: list[Commit] = []  # commits arrive unasked; recv() sets them aside here
 
     def send(self, msg: Message) -> None:
         self.sock.send_multipart(encode(msg))
@@ -65,7 +67,11 @@ class Peer:
         while time.monotonic() < deadline:
             self.gateway.poll_once(0.005)
             if self.sock.poll(5):
-                return decode(self.sock.recv_multipart())
+                msg = decode(self.sock.recv_multipart())
+                if isinstance(msg, Commit):
+                    self.commits.append(msg)
+                    continue
+                return msg
         raise AssertionError(f"{self.name}: no answer from the gateway within {timeout} s")
 
     def hello(self, manifest: Manifest) -> Message:
@@ -284,18 +290,18 @@ def test_every_answer_repeats_the_verdicts_the_edge_may_not_have_heard(gateway: 
     peer.hello(gateway.manifest)
     assert peer.push(1, grads_for(gateway, 1.0)).verdicts == ()
     ack2 = peer.push(2, grads_for(gateway, 1.0))
-    assert ack2.verdicts == ((1, ""),)
+    assert ack2.verdicts == ((1, "", 0),)
     gateway.close_round()
     gateway.close_round()
     stale = peer.push(3, grads_for(gateway, 1.0), base=0)  # 2 versions behind: dropped
-    assert stale.code == Reason.STALE.value and stale.verdicts == ((1, ""), (2, ""))
+    assert stale.code == Reason.STALE.value and stale.verdicts == ((1, "", 0), (2, "", 0))
     peer.send(Heartbeat(nonce=1))
     beat = peer.recv()
-    assert isinstance(beat, Heartbeat) and beat.verdicts == ((1, ""), (2, ""), (3, "stale"))
+    assert isinstance(beat, Heartbeat) and beat.verdicts == ((1, "", 0), (2, "", 0), (3, "stale", 0))
     # The edge says it has heard everything below 3: only the newest verdict is repeated.
     peer.send(Heartbeat(nonce=2, resolved_below=3))
     beat = peer.recv()
-    assert isinstance(beat, Heartbeat) and beat.verdicts == ((3, "stale"),)
+    assert isinstance(beat, Heartbeat) and beat.verdicts == ((3, "stale", 0),)
 
 
 def test_the_ack_of_a_resend_names_the_copy_that_was_applied(gateway: Gateway) -> None:

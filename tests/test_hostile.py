@@ -169,7 +169,7 @@ class Hostile:
         for _ in range(150):
             self.send([msgpack.packb({"v": 1, "type": rng.choice(["shutdown", "exec", ""])})], "unknown_type")
         for _ in range(100):
-            self.send(encode(Welcome(gateway_id="x", manifest_digest="0", model_version=0, durable_seq=0)),
+            self.send(encode(Welcome(gateway_id="x", manifest_digest="0", model_version=0)),
                       expect="unknown_type")  # fmt: skip
         # Wrong shapes, dtypes, layer names, counts; NaN and Inf.
         name = next(iter(self.manifest)).name

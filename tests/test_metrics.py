@@ -38,7 +38,7 @@ def test_prometheus_text_is_well_formed_and_cumulative() -> None:
     for v in (0, 1, 1, 3, 10):
         h.observe("a", value=v)
     text = m.render_prometheus()
-    assert '# TYPE elasticfed_gateway_rejected_total counter' in text
+    assert "# TYPE elasticfed_gateway_rejected_total counter" in text
     assert 'elasticfed_gateway_rejected_total{client="cam \\"7\\"",reason="nonfinite"} 1' in text
     buckets = re.findall(r'elasticfed_gateway_staleness_bucket\{client="a",le="([^"]+)"\} (\d+)', text)
     assert buckets == [("0", "1"), ("1", "3"), ("4", "4"), ("+Inf", "5")]

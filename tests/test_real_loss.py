@@ -79,7 +79,8 @@ def start_gateway(lab: Lab, procs: list[Proc]) -> tuple[Proc, str]:
 def start_edge(net: EdgeNet, endpoint: str, client: str, shard: str, procs: list[Proc], *flags: str) -> Proc:
     argv = [
         "nice", "-n", "10", sys.executable, "-m", "edge", "--gateway", endpoint, "--client-id", client,
-        "--insecure", "--log-level", "warning", "--train-shard", shard, *EDGE_FLAGS, *flags,
+        "--insecure", "--log-level", "warning", "--train-shard", shard, "--state-dir", "",
+        *EDGE_FLAGS, *flags,
     ]  # fmt: skip
     edge = Proc(net.argv(argv), client)
     procs.append(edge)

@@ -1,0 +1,258 @@
+"""The edge's state on disk: its gradient cache and sequence numbers, saved atomically, loaded at start.
+
+What is saved, per unit: the pending sum and its count, the unanswered flight
+(seq, bytes, count), the held sums (acknowledged, not yet durable, with their
+gateway instance and epoch), the reserved seq and the audit counts; and the
+session's next seq.  Files are `common/checkpoint.py` files (safetensors + JSON,
+written to a temp file, fsynced and renamed), two kept, so a power cut during a
+save leaves the previous one.  A file that is torn, corrupt, of another device,
+of another model or packed differently is skipped with a message naming it, and
+the next older one is used; with none left, the edge starts empty.
+
+Why a reload cannot count twice: a pending sum that is saved gets a *reserved*
+seq (edge/cache.py), which its next flight uses.  If that flight was sent and
+applied before a crash, the reloaded sum goes out with the same seq and the
+gateway answers "duplicate".  Flights keep their seq anyway.  Held sums are
+released or re-sent by what the next welcome says about their gateway instance.
+What a kill -9 or power cut loses is what was produced since the last save:
+at most `persist_every_s` of training (10 s by default).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from common.checkpoint import CheckpointError, CheckpointStore, read_tensors
+from edge.cache import MAX_HELD, Flight, Held
+
+if TYPE_CHECKING:
+    from edge.session import EdgeSession
+
+log = logging.getLogger("elasticfed.edge")
+
+KIND = "elasticfed-edge"
+
+
+def _prefix(client_id: str) -> str:
+    # One directory may serve several agents (tests, a demo); file names must be safe.
+    readable = re.sub(r"[^A-Za-z0-9_-]", "_", client_id)[:48]
+    return f"edge-{readable}-{hashlib.sha256(client_id.encode()).hexdigest()[:8]}"
+
+
+class EdgeState:
+    """Where one agent's cache survives restarts."""
+
+    def __init__(self, directory: str, client_id: str, keep: int = 2) -> None:
+        self.client_id = client_id
+        self.store = CheckpointStore(directory, KIND, keep=keep, prefix=_prefix(client_id))
+        self.saves = 0
+        self.skipped: list[tuple[Path, str]] = []
+        self.loaded: Path | None = None
+
+    # ------------------------------------------------------------------ saving
+    def save(self, session: EdgeSession) -> Path:
+        """Save the session's state (from its I/O thread, or after it stopped)."""
+        tensors, meta = export_state(session)
+        self.saves += 1
+        return self.store.save(self.saves, tensors, meta)
+
+    # ----------------------------------------------------------------- loading
+    def load(self, session: EdgeSession) -> Path | None:
+        """Load the newest whole state of this device and model into a new session; None if none."""
+        self.skipped = []
+        for path in self.store.entries():
+            try:
+                tensors, meta = read_tensors(path, KIND, max_bytes=self.store.max_bytes)
+                import_state(session, tensors, meta, path)
+            except (CheckpointError, ValueError, KeyError, TypeError, IndexError) as exc:
+                reason = (
+                    str(exc) if isinstance(exc, CheckpointError) else f"{path}: {type(exc).__name__}: {exc}"
+                )
+                self.skipped.append((path, reason))
+                log.warning("skipped saved edge state %s", reason)
+                continue
+            except OSError as exc:
+                self.skipped.append((path, f"{path}: cannot read: {exc}"))
+                log.warning("skipped saved edge state %s: cannot read: %s", path, exc)
+                continue
+            number = int(path.name.rsplit("-", 1)[1].split(".")[0])
+            self.saves = number
+            self.loaded = path
+            cache = session.cache
+            log.info(
+                "loaded edge state %s: %d step-gradients not yet answered, %d held until durable",
+                path,
+                cache.undelivered(),
+                cache.held_steps(),
+            )
+            return path
+        if self.skipped:
+            log.warning("no usable saved edge state: starting with an empty cache")
+        return None
+
+
+def export_state(session: EdgeSession) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Tensors and JSON of the session's cache; pending sums get their reserved seq here."""
+    cache = session.cache
+    tensors: dict[str, torch.Tensor] = {}
+    units = []
+    with cache.lock:
+        for unit in cache.units:
+            cache._settle(unit)
+            entry: dict[str, Any] = {
+                "names": list(unit.names),
+                "pending_count": unit.pending_count,
+                "pending_base": unit.pending_base,
+                "produced": unit.produced,
+                "durable": unit.durable,
+                "dropped": unit.dropped,
+                "flight": None,
+                "held": [],
+            }
+            if unit.pending_count:
+                if not unit.reserved_seq:
+                    unit.reserved_seq = session.seq
+                    session.seq += 1
+                tensors[f"{unit.index}.pending"] = unit.pending.clone()  # training adds into it
+            entry["reserved"] = unit.reserved_seq
+            flight = unit.flight
+            if flight is not None:
+                # Unchanged while unanswered, and answers are handled on this same thread.
+                tensors[f"{unit.index}.flight"] = flight.buffer
+                entry["flight"] = {"seq": flight.seq, "count": flight.count, "base": flight.base_version}
+            for j, held in enumerate(unit.held):
+                tensors[f"{unit.index}.held.{j}"] = held.buffer
+                entry["held"].append(
+                    {
+                        "instance": held.instance,
+                        "epoch": held.epoch,
+                        "count": held.count,
+                        "base": held.base_version,
+                    }
+                )
+            units.append(entry)
+    meta = {
+        "client_id": session.options.client_id,
+        "manifest": session.manifest.digest,
+        "seq": session.seq,
+        "units": units,
+    }
+    return tensors, meta
+
+
+def _count(value: Any, where: str) -> int:
+    if type(value) is not int or value < 0:
+        raise CheckpointError(f"{where}: expected a non-negative integer, got {value!r}")
+    return value
+
+
+def import_state(
+    session: EdgeSession, tensors: dict[str, torch.Tensor], meta: dict[str, Any], path: Path
+) -> None:
+    """Put saved state into a session that has not started; raises CheckpointError naming what does not fit.
+
+    Everything is checked before anything is changed, so a refused file leaves the
+    session as it was.
+    """
+    cache = session.cache
+    if meta.get("client_id") != session.options.client_id:
+        raise CheckpointError(f"{path}: saved by device {meta.get('client_id')!r}, not this one")
+    if meta.get("manifest") != session.manifest.digest:
+        raise CheckpointError(f"{path}: saved for another model (manifest digest differs)")
+    units = meta["units"]
+    if type(units) is not list or len(units) != len(cache.units):
+        raise CheckpointError(f"{path}: saved with another packing of layers into units")
+    seq = _count(meta["seq"], f"{path}: seq")
+    plans = []
+    for unit, entry in zip(cache.units, units):
+        where = f"{path}: unit {unit.index}"
+        if entry["names"] != list(unit.names):
+            raise CheckpointError(f"{where}: saved with other layers ({entry['names'][:3]}...)")
+
+        def tensor(name: str, unit: Any = unit, where: str = where) -> torch.Tensor:
+            t = tensors.get(f"{unit.index}.{name}")
+            if t is None or t.dtype != unit.dtype or t.shape != (unit.numel,):
+                raise CheckpointError(f"{where}: tensor {name} is missing or has another shape or dtype")
+            if not bool(torch.isfinite(t).all()):
+                raise CheckpointError(f"{where}: tensor {name} holds NaN or Inf")
+            return t
+
+        plan: dict[str, Any] = {
+            "pending_count": _count(entry["pending_count"], f"{where}: pending_count"),
+            "pending_base": _count(entry["pending_base"], f"{where}: pending_base"),
+            "reserved": _count(entry["reserved"], f"{where}: reserved"),
+            "produced": _count(entry["produced"], f"{where}: produced"),
+            "durable": _count(entry["durable"], f"{where}: durable"),
+            "dropped": _count(entry["dropped"], f"{where}: dropped"),
+            "pending": None,
+            "flight": None,
+            "held": [],
+        }
+        if plan["pending_count"]:
+            plan["pending"] = tensor("pending")
+            if not 0 < plan["reserved"] < seq:
+                raise CheckpointError(f"{where}: a pending sum without a reserved seq below {seq}")
+        if entry["flight"] is not None:
+            f = entry["flight"]
+            fseq = _count(f["seq"], f"{where}: flight seq")
+            if not 0 < fseq < seq or _count(f["count"], f"{where}: flight count") < 1:
+                raise CheckpointError(f"{where}: flight seq {fseq} or count {f['count']} out of range")
+            plan["flight"] = (fseq, tensor("flight"), f["count"], _count(f["base"], f"{where}: flight base"))
+        if type(entry["held"]) is not list or len(entry["held"]) > MAX_HELD:
+            raise CheckpointError(f"{where}: more than {MAX_HELD} held sums")
+        for j, h in enumerate(entry["held"]):
+            if type(h["instance"]) is not str or not h["instance"]:
+                raise CheckpointError(f"{where}: held sum {j} names no gateway instance")
+            plan["held"].append(
+                Held(
+                    h["instance"],
+                    _count(h["epoch"], f"{where}: held epoch"),
+                    tensor(f"held.{j}"),
+                    _count(h["count"], f"{where}: held count"),
+                    _count(h["base"], f"{where}: held base"),
+                )
+            )
+        plans.append(plan)
+    flight_seqs = [p["flight"][0] for p in plans if p["flight"] is not None]
+    reserved = [p["reserved"] for p in plans if p["reserved"]]
+    if len(set(flight_seqs + reserved)) != len(flight_seqs) + len(reserved):
+        raise CheckpointError(f"{path}: two units share a seq")
+
+    # Everything checked: apply.
+    now = session.clock()
+    flights: dict[int, int] = {}
+    with cache.lock:
+        for unit, plan in zip(cache.units, plans):
+            unit.pending_count = plan["pending_count"]
+            unit.pending_base = plan["pending_base"]
+            if plan["pending"] is not None:
+                unit.pending.copy_(plan["pending"])
+            unit.reserved_seq = plan["reserved"]
+            unit.produced, unit.durable, unit.dropped = plan["produced"], plan["durable"], plan["dropped"]
+            unit.held = plan["held"]
+            for held in unit.held:
+                held.buffer = held.buffer.clone()  # summed into in place later
+            if plan["flight"] is not None:
+                fseq, buffer, count, base = plan["flight"]
+                # Weak and unsent on this connection: it goes again once a gateway answers.
+                unit.flight = Flight(
+                    seq=fseq,
+                    buffer=buffer.clone(),
+                    count=count,
+                    base_version=base,
+                    first_sent=now,
+                    deadline=now,
+                    last_sent=-math.inf,
+                    weak=True,
+                    outstanding=False,
+                )
+                flights[fseq] = unit.index
+    session.seq = seq
+    session._flights = dict(sorted(flights.items()))
