@@ -256,3 +256,5 @@ def import_state(
                 flights[fseq] = unit.index
     session.seq = seq
     session._flights = dict(sorted(flights.items()))
+    # Saved pending sums go out once a gateway welcomes us, without waiting for new steps.
+    session._wanted.update(p.index for p, plan in zip(cache.units, plans) if plan["pending_count"])

@@ -339,7 +339,10 @@ class EdgeSession:
         with self._lock:
             self._wake_pending = False
             self._wake()
-        self._thread.join(timeout=5.0)
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout=5.0)
+        else:
+            self._wake_rx.close(linger=0)
         self._wake_tx.close(linger=0)
         if self.state is not None and not self._thread.is_alive():
             self._persist(self.clock(), force=True)

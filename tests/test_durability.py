@@ -1,0 +1,300 @@
+"""Durability: acknowledged vs durable, gateway crashes, edge restarts, torn edge state.
+
+Real sockets and a real edge session (its I/O thread); the gateway is pumped by
+a thread of this process so that a crash can be exact: the pump stops and the
+socket closes without the clean stop's checkpoint, as after kill -9.  The
+multi-process version with real kill -9 is tests/test_chaos.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+from fleet import free_port
+from torch import nn
+
+from cloud.aggregation import DeadlineQuorum
+from cloud.durability import GatewayCheckpoints, export_state
+from cloud.gateway import Gateway, GatewayOptions
+from edge.cache import GradientCache
+from edge.persistence import EdgeState
+from edge.persistence import export_state as export_edge_state
+from edge.session import EdgeSession, SessionOptions
+from protocol import Manifest
+
+LR = 0.5
+CLIENT = "jetson-1"
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Linear(3, 2)
+
+
+def make_gateway(directory: Path, endpoint: str, every_rounds: int = 1000) -> Gateway:
+    model = make_model()
+    gw = Gateway(
+        model,
+        torch.optim.SGD(model.parameters(), lr=LR),
+        GatewayOptions(bind=endpoint),
+        rounds=DeadlineQuorum(deadline_s=60.0, quorum=1),
+        checkpoints=GatewayCheckpoints(str(directory), every_rounds=every_rounds),
+    )
+    gw.checkpoints.restore(gw)  # type: ignore[union-attr]
+    return gw
+
+
+@contextmanager
+def pumped(gw: Gateway) -> Iterator[Gateway]:
+    """Serve from a thread; leaving the block is a crash: no checkpoint, no goodbye."""
+    stop = threading.Event()
+    deadline = time.monotonic() + 10
+    while True:  # libzmq lets go of a closed socket's port asynchronously
+        try:
+            gw.bind()
+            break
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+    def pump() -> None:
+        while not stop.is_set():
+            gw.poll_once(0.01)
+
+    thread = threading.Thread(target=pump, daemon=True)
+    thread.start()
+    try:
+        yield gw
+    finally:
+        stop.set()
+        thread.join(10)
+        assert gw._sock is not None
+        gw._sock.close(linger=0)
+        gw._sock = None
+
+
+def edge_session(endpoint: str, state_dir: Path | None = None) -> EdgeSession:
+    model = make_model()
+    named = list(model.named_parameters())
+    cache = GradientCache([[(n, tuple(p.shape), p.dtype) for n, p in named]])
+    options = SessionOptions(
+        gateway=endpoint,
+        client_id=CLIENT,
+        timeout_s=0.3,
+        heartbeat_s=0.1,
+        liveness=3,
+        reconnect_first_s=0.05,
+        reconnect_cap_s=0.2,
+        state_dir=str(state_dir) if state_dir is not None else "",
+        persist_every_s=3600.0,  # saves are explicit in these tests
+    )
+    session = EdgeSession(options, Manifest.from_parameters(model.named_parameters()), cache)
+    session.start()
+    return session
+
+
+def push(session: EdgeSession, value: float, sync: bool = True) -> None:
+    """One step-gradient whose every entry is `value`."""
+    grads = [torch.full((2, 3), value), torch.full((2,), value)]  # weight, bias
+    session.cache.add(0, grads, base_version=session.have_version)
+    if sync:
+        session.request_sync([0])
+
+
+def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def crash(session: EdgeSession) -> None:
+    """The edge as after kill -9: the I/O thread stops; nothing is saved, nothing is drained."""
+    session._stop.set()
+    with session._lock:
+        session._wake_pending = False
+        session._wake()
+    session._thread.join(10)
+    session._wake_tx.close(linger=0)
+
+
+def expected(*values: float) -> torch.Tensor:
+    """The weight after one SGD step per value (each round averages one push of count 1)."""
+    weight = make_model().weight.detach().clone()
+    for v in values:
+        weight -= LR * v
+    return weight
+
+
+def applied(gw: Gateway) -> list[int]:
+    return list(gw.applied_steps.get(CLIENT, [0, 0]))
+
+
+def test_acknowledged_but_not_durable_pushes_are_sent_again_after_a_gateway_crash(tmp_path: Path) -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    first = make_gateway(tmp_path, endpoint)
+    session = edge_session(endpoint)
+    try:
+        with pumped(first):
+            push(session, 1.0)
+            wait_for(lambda: first.version == 1, "round 1")
+            first.checkpoints.save(first)  # type: ignore[union-attr]  # version 1 on disk; a commit goes out
+            wait_for(lambda: session.cache.units[0].durable == 1, "the commit of version 1")
+            push(session, 10.0)
+            wait_for(lambda: first.version == 2 and session.cache.held_steps() == 1, "an ack of push 2")
+            assert session.cache.units[0].held[0].epoch == 2  # durable with a checkpoint of version 2
+        # Crashed before writing version 2: the second push was acknowledged, then lost.
+        second = make_gateway(tmp_path, endpoint)
+        assert second.version == 1 and second.lineage == {first.gateway_id: 1}
+        with pumped(second):
+            wait_for(lambda: second.version == 2, "the lost push, sent again and applied")
+            second.checkpoints.save(second)  # type: ignore[union-attr]
+            wait_for(lambda: session.cache.units[0].durable == 2, "the commit of version 2")
+            assert session.cache.held_steps() == 0 and session.cache.undelivered() == 0
+            assert applied(second) == [2, 2]  # once each, over the checkpointed history
+            assert torch.equal(second.model.weight.detach(), expected(1.0, 10.0))
+            lost = session.metrics.resent_lost.get("weight")
+            assert lost == 1, "the edge counts what a dead gateway lost"
+    finally:
+        session.close()
+
+
+def test_a_checkpoint_whose_commit_never_arrived_is_not_applied_twice(tmp_path: Path) -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    first = make_gateway(tmp_path, endpoint)
+    session = edge_session(endpoint)
+    try:
+        with pumped(first):
+            push(session, 1.0)
+            wait_for(lambda: first.version == 1 and session.cache.held_steps() == 1, "an ack of push 1")
+            # Written, then the gateway dies before it can say so.
+            tensors, meta = export_state(first)
+            first.checkpoints.store.save(first.version, tensors, meta)  # type: ignore[union-attr]
+        second = make_gateway(tmp_path, endpoint)
+        assert second.version == 1
+        with pumped(second):
+            wait_for(lambda: session.cache.units[0].durable == 1, "the welcome saying version 1 is on disk")
+            assert session.cache.held_steps() == 0
+            push(session, 3.0)  # the link works: the next push is applied; the first is not again
+            wait_for(lambda: second.version == 2, "round 2")
+            assert applied(second) == [2, 2]
+            assert torch.equal(second.model.weight.detach(), expected(1.0, 3.0))
+    finally:
+        session.close()
+
+
+def test_an_edge_killed_after_saving_does_not_count_a_sum_twice(tmp_path: Path) -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    gw = make_gateway(tmp_path / "gateway", endpoint, every_rounds=1)
+    state = tmp_path / "edge"
+    with pumped(gw):
+        session = edge_session(endpoint, state)
+        push(session, 1.0)
+        wait_for(lambda: session.cache.units[0].durable == 1, "push 1 durable")
+        push(session, 5.0, sync=False)
+        session._persist(time.monotonic(), force=True)  # saved with seq reserved for this sum
+        reserved = session.cache.units[0].reserved_seq
+        assert reserved > 0
+        session.request_sync([0])
+        wait_for(lambda: session.cache.units[0].durable == 2, "the saved sum applied and durable")
+        crash(session)  # killed before the next save: the file still holds the sum as pending
+        duplicates_before = gw.metrics.duplicates.get(CLIENT)
+
+        again = edge_session(endpoint, state)
+        try:
+            unit = again.cache.units[0]
+            assert again.state is not None and again.state.loaded is not None
+            wait_for(
+                lambda: again.cache.undelivered() == 0 and unit.durable == 2, "the reloaded sum answered"
+            )
+            assert gw.metrics.duplicates.get(CLIENT) == duplicates_before + 1  # recognised by its seq
+            assert applied(gw) == [2, 2] and gw.version == 2
+            assert torch.equal(gw.model.weight.detach(), expected(1.0, 5.0))
+            push(again, 2.0)  # and new seqs are fresh
+            wait_for(lambda: unit.durable == 3, "a new push after the restart")
+            assert applied(gw) == [3, 3]
+        finally:
+            again.close()
+
+
+def test_an_edge_that_lost_its_state_gets_fresh_seqs_from_the_welcome(tmp_path: Path) -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    gw = make_gateway(tmp_path, endpoint, every_rounds=1)
+    with pumped(gw):
+        session = edge_session(endpoint)
+        for value in (1.0, 2.0, 3.0):
+            push(session, value)
+            wait_for(lambda: session.cache.undelivered() == 0, "an answer")
+        crash(session)
+        fresh = edge_session(endpoint)  # no state directory: starts at seq 1
+        try:
+            wait_for(lambda: fresh.welcomed, "a welcome")
+            assert fresh.seq >= 4
+            push(fresh, 4.0)
+            wait_for(lambda: applied(gw) == [4, 4], "the new push applied, not taken for a duplicate")
+            assert gw.metrics.duplicates.get(CLIENT) == 0
+        finally:
+            fresh.close()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "random", "other_model", "other_device"])
+def test_a_torn_or_foreign_edge_state_is_refused_and_the_previous_one_loaded(
+    tmp_path: Path, damage: str
+) -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"  # nobody listens: everything stays cached
+    session = edge_session(endpoint, tmp_path)
+    push(session, 1.0, sync=False)
+    session._persist(time.monotonic(), force=True)
+    push(session, 1.0, sync=False)
+    session._persist(time.monotonic(), force=True)
+    crash(session)
+    assert session.state is not None
+    newest, older = session.state.store.entries()
+    if damage == "truncate":
+        newest.write_bytes(newest.read_bytes()[:-7])
+    elif damage == "random":
+        newest.write_bytes(torch.randint(0, 256, (4096,), dtype=torch.uint8).numpy().tobytes())
+    else:
+        # A whole, valid file of another model or another device under this device's name.
+        other = nn.Linear(3, 3) if damage == "other_model" else make_model()
+        named = list(other.named_parameters())
+        cache = GradientCache([[(n, tuple(p.shape), p.dtype) for n, p in named]])
+        options = SessionOptions(
+            gateway=endpoint, client_id=CLIENT if damage == "other_model" else "someone-else"
+        )
+        stranger = EdgeSession(options, Manifest.from_parameters(other.named_parameters()), cache)
+        stranger.cache.add(0, [torch.ones(p.shape) for _, p in named], 0)
+        tensors, meta = export_edge_state(stranger)
+        EdgeState(str(tmp_path), CLIENT).store.save(
+            int(newest.name.split("-")[-1].split(".")[0]), tensors, meta
+        )
+        stranger.close()
+
+    again = edge_session(endpoint, tmp_path)
+    try:
+        assert again.state is not None
+        assert again.state.loaded == older
+        assert [p for p, _ in again.state.skipped] == [newest]
+        reason = again.state.skipped[0][1]
+        assert str(newest) in reason
+        expect = {
+            "truncate": "",
+            "random": "",
+            "other_model": "another model",
+            "other_device": "saved by device 'someone-else'",
+        }[damage]
+        assert expect in reason
+        assert again.cache.units[0].pending_count == 1  # the older save: one step
+        assert torch.equal(again.cache.units[0].pending[:6], torch.ones(6))
+    finally:
+        again.close()
