@@ -517,12 +517,14 @@ class Gateway:
         self.routes[route] = msg.client_id
         state.last_seen = now
         self.metrics.clients.set(value=len(self.clients))
+        # Every instance asked about is answered: one this gateway does not descend from wrote
+        # nothing it resumed from (0), so what it acknowledged is to be sent again.
         durable = []
         for instance in dict.fromkeys(msg.holding):
             if instance == self.gateway_id:
                 durable.append((instance, self.durable_version))
-            elif instance in self.lineage:
-                durable.append((instance, self.lineage[instance]))
+            else:
+                durable.append((instance, self.lineage.get(instance, 0)))
         self._reply(
             route,
             Welcome(
@@ -801,5 +803,10 @@ class Gateway:
             "secure": self.admission is not None,
             "durable_version": self.durable_version if self.checkpoints is not None else None,
             "clients": sorted(self.clients),
+            # over the checkpointed history (resumes included), not only this process
+            "history_applied_steps": {
+                cid: {name: n for name, n in zip(self.names, counts) if n}
+                for cid, counts in self.applied_steps.items()
+            },
             "metrics": self.metrics.registry.snapshot(),
         }

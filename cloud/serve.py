@@ -190,6 +190,8 @@ def run(args: argparse.Namespace, config: CloudConfig) -> int:
                 "secure": status["secure"],
                 "handshakes_refused": admission.handshakes_refused if admission is not None else 0,
                 "applied_steps": status["metrics"]["gateway_applied_steps_total"],
+                "durable_version": status["durable_version"],
+                "history_applied_steps": status["history_applied_steps"],
                 "dropped_stale_steps": status["metrics"]["gateway_dropped_stale_steps_total"],
                 "rejected_by_reason": _by_label(status["metrics"]["gateway_rejected_total"], "reason"),
                 **totals(status),

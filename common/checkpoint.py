@@ -42,7 +42,6 @@ import xxhash
 
 # safetensors' own parser (a length-prefixed JSON header and raw bytes): no pickle involved.
 from safetensors.torch import load as parse_safetensors
-from safetensors.torch import save as serialize_safetensors
 
 log = logging.getLogger("elasticfed.checkpoint")
 
@@ -57,6 +56,20 @@ TensorSpec = tuple[tuple[int, ...], torch.dtype]
 
 if sys.byteorder != "little":  # pragma: no cover - no target is big-endian
     raise ImportError("common.checkpoint checksums in-memory tensor bytes and needs a little-endian host")
+
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 class CheckpointError(Exception):
@@ -187,16 +200,29 @@ def write_tensors(
         },
     }
     doc["xxh3"] = _checksum(_dumps(doc).encode())
-    try:
-        blob = serialize_safetensors(prepared, metadata={METADATA_KEY: _dumps(doc)})
-    except Exception as exc:  # unsupported dtype and the like: the caller's tensors, not a file
-        raise ValueError(f"safetensors cannot store these tensors: {exc}") from exc
+    # The safetensors layout, written tensor by tensor from the tensors' own memory: no copy of
+    # the whole checkpoint is ever built (an edge saving during an outage must not double its RSS).
+    header: dict[str, Any] = {"__metadata__": {METADATA_KEY: _dumps(doc)}}
+    offset = 0
+    for name, t in prepared.items():
+        code = _SAFETENSORS_DTYPES.get(t.dtype)
+        if code is None:
+            raise ValueError(f"safetensors cannot store tensor {name!r} of dtype {t.dtype}")
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": code, "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    head = _dumps(header).encode()
+    head += b" " * (-len(head) % 8)  # aligned tensor data, as safetensors' own writer does
 
     path = Path(path)
     fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(blob)
+            f.write(struct.pack("<Q", len(head)))
+            f.write(head)
+            for t in prepared.values():
+                if t.numel():
+                    f.write(_tensor_bytes(t))
             f.flush()
             os.fsync(f.fileno())
         os.replace(temp_name, path)
@@ -207,7 +233,7 @@ def write_tensors(
             pass
         raise
     _fsync_directory(path.parent)
-    return len(blob)
+    return 8 + len(head) + offset
 
 
 # ---------------------------------------------------------------------------------------------- read

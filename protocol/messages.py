@@ -215,9 +215,9 @@ class Welcome(Message):
     """Gateway -> edge: accepted; what the gateway already holds from this edge.
 
     `gateway_id` is new at every start of a gateway.  `durable` answers the hello's
-    `holding`: for each of those instances this gateway's checkpoints descend from,
-    the newest model version it wrote to disk (an instance not listed wrote none
-    that this gateway resumed from: its acknowledged pushes are lost, send them again).
+    `holding`: for each of those instances, the newest model version it wrote to
+    disk among the checkpoints this gateway descends from (0: none).  What another
+    instance acknowledged beyond that is lost with it: the edge sends it again.
     """
 
     TYPE: ClassVar[str] = "welcome"

@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
+import pytest
 import torch
+from fleet import Proc
 from netns import netns_lab, netns_swept  # noqa: F401  (fixtures for tests/test_real_loss.py)
 
 from protocol import Manifest, Message
 from protocol.payload import Dense, LowRank, TopK
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Proc]]:
+    """Processes a test starts; whatever is still running when it ends (failed or not) is killed."""
+    started: list[Proc] = []
+    yield started
+    for p in started:
+        p.kill()
 
 
 def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -572,3 +572,20 @@ def test_trimmed_mean_rounds_the_trim_up() -> None:
         acc.add(client, torch.full((2,), value), 1, 1.0)
     average = acc.average()
     assert average is not None and torch.equal(average, torch.full((2,), 2.0))  # one dropped at each end
+
+
+def test_the_welcome_answers_every_instance_the_edge_holds_pushes_of(gateway: Gateway) -> None:
+    peer = Peer(gateway, "a")
+    hello = Hello(
+        client_id="a",
+        manifest=gateway.manifest,
+        model_version=0,
+        next_seq=1,
+        holding=("gw-dead", gateway.gateway_id),
+    )
+    peer.send(hello)
+    welcome = peer.recv()
+    assert isinstance(welcome, Welcome)
+    # No checkpoints here: nothing of either is on disk, so the edge sends the dead one's again.
+    assert welcome.durable == (("gw-dead", 0), (gateway.gateway_id, 0))
+    assert welcome.settings["commits"] is False and welcome.next_seq == 0

@@ -26,7 +26,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import fleet
@@ -53,15 +53,6 @@ ACCURACY = 0.93  # the demo's target at 30% message loss
 # Peak RSS over the RSS once training runs: memory must not grow with the traffic.
 GATEWAY_GROWTH_BYTES = 16 << 20
 EDGE_GROWTH_BYTES = 64 << 20
-
-
-@pytest.fixture
-def procs() -> Iterator[list[Proc]]:
-    """Processes a test starts; whatever is still running when it ends (failed or not) is killed."""
-    started: list[Proc] = []
-    yield started
-    for p in started:
-        p.kill()
 
 
 def start_gateway(lab: Lab, procs: list[Proc]) -> tuple[Proc, str]:
