@@ -65,7 +65,9 @@ class GatewaySettings:
     max_rounds: int = setting(0, "stop after this many rounds (0: serve until stopped)", min=0)
     seed: int = setting(0, "seed of the initial model", min=0)
     checkpoint_dir: str = setting(
-        "", "checkpoint gateway state here and resume from the newest good checkpoint (empty: off)"
+        ".elasticfed/gateway",
+        "checkpoint gateway state here and resume from the newest good checkpoint (empty: off, and "
+        "nothing is ever durable)",
     )
     checkpoint_every_rounds: int = setting(10, "rounds between checkpoints (and one at a clean stop)", min=1)
     checkpoint_keep: int = setting(3, "checkpoints kept; older ones are deleted", min=1)

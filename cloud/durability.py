@@ -7,9 +7,11 @@ one consistent picture, in which every push the gateway judged is either in the
 model or refused.  Files are `common/checkpoint.py` files (safetensors + JSON,
 atomic, validated); a torn or foreign one is skipped with a message naming it.
 
-Once a checkpoint of model version V is on disk, every push this instance
-acknowledged with `epoch <= V` is durable, and the gateway says so to every
-connected edge (a `Commit`; acks and heartbeat replies repeat it).  Edges keep
+Checkpoints are numbered (epochs; the number continues across restarts), and
+every ack names the checkpoint that will hold the push: the next one.  Once
+checkpoint E is on disk, every push this instance acknowledged with an epoch up
+to E is durable, and the gateway says so to every connected edge (a `Commit`;
+acks and heartbeat replies repeat it).  Edges keep
 what is acknowledged but not yet durable and send it again if this instance
 dies first (edge/cache.py).  The checkpoint records the lineage (each instance
 whose checkpoints this one descends from, and the newest version it wrote), so
@@ -60,6 +62,7 @@ class GatewayCheckpoints:
     last_saved: Path | None = field(default=None, init=False)
     skipped: list[tuple[Path, str]] = field(default_factory=list, init=False)
     last_saved_at: float = field(default_factory=time.monotonic, init=False)
+    saved_version: int = field(default=-1, init=False)  # model version of the newest checkpoint
 
     def __post_init__(self) -> None:
         if self.every_rounds < 1 or self.keep < 1 or self.lineage_max < 1:
@@ -69,7 +72,7 @@ class GatewayCheckpoints:
             )
         if self.every_s < 0:
             raise ValueError(f"every_s must be >= 0 (0: off), got {self.every_s}")
-        self.store = CheckpointStore(self.directory, KIND, keep=self.keep)
+        self.store = CheckpointStore(self.directory, KIND, keep=self.keep, exclusive=True)
 
     def after_round(self, gateway: Gateway) -> None:
         closed = gateway.open.number - 1
@@ -82,8 +85,9 @@ class GatewayCheckpoints:
         tensors, meta = export_state(gateway, self.lineage_max)
         self.last_saved = self.store.save(gateway.version, tensors, meta)
         self.last_saved_at = time.monotonic()
-        log.debug("checkpoint %s (version %d)", self.last_saved, gateway.version)
-        gateway.on_durable(gateway.version)
+        self.saved_version = gateway.version
+        log.debug("checkpoint %d: %s (version %d)", meta["epoch"], self.last_saved, gateway.version)
+        gateway.on_durable(meta["epoch"])
         return self.last_saved
 
     def restore(self, gateway: Gateway) -> Path | None:
@@ -97,8 +101,13 @@ class GatewayCheckpoints:
                 self.skipped.append((path, str(exc)))
                 log.warning("skipped checkpoint %s: %s", path, exc)
                 continue
+            self.saved_version = gateway.version
             log.info(
-                "resumed from %s (model version %d, round %d)", path, gateway.version, gateway.open.number
+                "resumed from %s (checkpoint %d, model version %d, round %d)",
+                path,
+                gateway.durable_epoch,
+                gateway.version,
+                gateway.open.number,
             )
             return path
         return None
@@ -118,8 +127,9 @@ def export_state(gateway: Gateway, lineage_max: int = 1024) -> tuple[dict[str, t
         }
         for cid, state in gateway.clients.items()
     }
+    epoch = gateway.durable_epoch + 1
     lineage = dict(gateway.lineage)
-    lineage[gateway.gateway_id] = gateway.version  # true once this file is on disk
+    lineage[gateway.gateway_id] = epoch  # true once this file is on disk
     if len(lineage) > lineage_max:
         lineage = dict(sorted(lineage.items(), key=lambda kv: kv[1])[-lineage_max:])
     applied = {
@@ -130,6 +140,7 @@ def export_state(gateway: Gateway, lineage_max: int = 1024) -> tuple[dict[str, t
         "manifest": gateway.manifest.digest,
         "version": gateway.version,
         "round": gateway.open.number,
+        "epoch": epoch,
         "optimizer": optim_meta,
         "clients": clients,
         "lineage": lineage,
@@ -167,4 +178,4 @@ def import_state(
     with torch.no_grad():
         for name, param in zip(gateway.names, gateway.params):
             param.copy_(tensors[MODEL_PREFIX + name])
-    gateway.resume(int(meta["version"]), int(meta["round"]), clients, lineage, applied)
+    gateway.resume(int(meta["version"]), int(meta["round"]), clients, int(meta["epoch"]), lineage, applied)

@@ -304,10 +304,10 @@ class Gateway:
         self.open = OpenRound(number=1, layers=len(self.params))
         self.clients: dict[str, ClientState] = {}
         self.routes: dict[bytes, str] = {}
-        # Durability (with checkpoints): the newest model version this instance has on disk, and
-        # for each instance the checkpoints we descend from were written by, the newest version
-        # it wrote (what a restarted edge's held acknowledgements are judged against).
-        self.durable_version = 0
+        # Durability (with checkpoints), in checkpoint numbers (epochs): the newest on disk, and
+        # for each instance the checkpoints we descend from were written by, the newest it wrote
+        # (what a restarted edge's held acknowledgements are judged against).
+        self.durable_epoch = 0
         self.lineage: dict[str, int] = {}
         # Step-gradients applied per client and layer, over the whole checkpointed history (audit).
         self.applied_steps: dict[str, list[int]] = {}
@@ -394,8 +394,9 @@ class Gateway:
         if self.checkpoints is not None and self._sock is not None:
             if self.open.opened_at is not None:
                 self.close_round()
-            if self.durable_version != self.version or self.checkpoints.last_saved is None:
+            if self.checkpoints.saved_version != self.version:
                 self.checkpoints.save(self)
+            self.checkpoints.store.close()
         if self._sock is not None:
             self._sock.close(linger=int(linger_s * 1000))
             self._sock = None
@@ -469,7 +470,7 @@ class Gateway:
                     reply=True,
                     model_version=self.version,
                     verdicts=state.pending(VERDICTS_PER_ANSWER),
-                    durable_version=self.durable_version,
+                    durable_epoch=self.durable_epoch,
                     gateway_id=self.gateway_id,
                 ),
             )
@@ -522,7 +523,7 @@ class Gateway:
         durable = []
         for instance in dict.fromkeys(msg.holding):
             if instance == self.gateway_id:
-                durable.append((instance, self.durable_version))
+                durable.append((instance, self.durable_epoch))
             else:
                 durable.append((instance, self.lineage.get(instance, 0)))
         self._reply(
@@ -707,14 +708,14 @@ class Gateway:
         return summary
 
     def _epoch(self) -> int:
-        """The model version whose checkpoint will hold what is applied now (0: no checkpoints)."""
-        return self.version + 1 if self.checkpoints is not None else 0
+        """The number of the checkpoint that will hold what is applied now (0: no checkpoints)."""
+        return self.durable_epoch + 1 if self.checkpoints is not None else 0
 
-    def on_durable(self, version: int) -> None:
-        """A checkpoint of `version` is on disk: tell every connected edge (the commit)."""
-        self.durable_version = version
-        self.lineage[self.gateway_id] = version
-        commit = Commit(durable_version=version, gateway_id=self.gateway_id)
+    def on_durable(self, epoch: int) -> None:
+        """Checkpoint `epoch` is on disk: tell every connected edge (the commit)."""
+        self.durable_epoch = epoch
+        self.lineage[self.gateway_id] = epoch
+        commit = Commit(durable_epoch=epoch, gateway_id=self.gateway_id)
         for route in list(self.routes):
             self._reply(route, commit)
 
@@ -723,11 +724,12 @@ class Gateway:
         version: int,
         round_number: int,
         clients: dict[str, ClientState],
+        epoch: int = 0,
         lineage: dict[str, int] | None = None,
         applied_steps: dict[str, list[int]] | None = None,
     ) -> None:
         """State read back from a checkpoint (cloud/durability.py); edges re-route with their next hello."""
-        self.durable_version = version
+        self.durable_epoch = epoch
         self.lineage = dict(lineage or {})
         self.applied_steps = dict(applied_steps or {})
         self.version = version
@@ -778,7 +780,7 @@ class Gateway:
                 attempt=attempt,
                 verdicts=tuple(v for v in verdicts if v[0] != seq),
                 epoch=epoch if accepted else 0,
-                durable_version=self.durable_version,
+                durable_epoch=self.durable_epoch,
                 gateway_id=self.gateway_id,
             ),
         )
@@ -801,7 +803,7 @@ class Gateway:
             "version": self.version,
             "round": self.open.number,
             "secure": self.admission is not None,
-            "durable_version": self.durable_version if self.checkpoints is not None else None,
+            "durable_epoch": self.durable_epoch if self.checkpoints is not None else None,
             "clients": sorted(self.clients),
             # over the checkpointed history (resumes included), not only this process
             "history_applied_steps": {

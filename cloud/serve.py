@@ -34,6 +34,7 @@ from cloud.aggregation import (
 from cloud.config import CloudConfig
 from cloud.durability import GatewayCheckpoints
 from cloud.gateway import Gateway, GatewayOptions, RoundSummary
+from common.checkpoint import CheckpointError
 from common.keys import KeyFileError
 from common.task import Task, TaskError, load_task
 
@@ -151,13 +152,20 @@ def run(args: argparse.Namespace, config: CloudConfig) -> int:
         )
 
     g = config.gateway
-    checkpoints = (
-        GatewayCheckpoints(
-            g.checkpoint_dir, g.checkpoint_every_rounds, g.checkpoint_keep, every_s=g.checkpoint_every_s
+    checkpoints = None
+    if g.checkpoint_dir:
+        try:
+            checkpoints = GatewayCheckpoints(
+                g.checkpoint_dir, g.checkpoint_every_rounds, g.checkpoint_keep, every_s=g.checkpoint_every_s
+            )
+        except (CheckpointError, OSError) as exc:
+            print(f"elasticfed cloud serve: error: --gateway-checkpoint-dir: {exc}", file=sys.stderr)
+            return 2
+    else:
+        log.warning(
+            "no --gateway-checkpoint-dir: acknowledged contributions live in memory only and a crash "
+            "loses them (and the model); edges are not told anything is durable"
         )
-        if g.checkpoint_dir
-        else None
-    )
     gateway = build_gateway(config, task, on_round, admission, checkpoints)
     resumed = checkpoints.restore(gateway) if checkpoints is not None else None
     stop = threading.Event()
@@ -169,7 +177,7 @@ def run(args: argparse.Namespace, config: CloudConfig) -> int:
         "endpoint": endpoint,
         "gateway_id": gateway.gateway_id,
         "version": gateway.version,
-        "durable_version": gateway.durable_version if checkpoints else None,
+        "durable_epoch": gateway.durable_epoch if checkpoints else None,
         "resumed_from": str(resumed) if resumed else None,
         "skipped_checkpoints": [f"{p}: {why}" for p, why in checkpoints.skipped] if checkpoints else [],
     }
@@ -190,7 +198,7 @@ def run(args: argparse.Namespace, config: CloudConfig) -> int:
                 "secure": status["secure"],
                 "handshakes_refused": admission.handshakes_refused if admission is not None else 0,
                 "applied_steps": status["metrics"]["gateway_applied_steps_total"],
-                "durable_version": status["durable_version"],
+                "durable_epoch": status["durable_epoch"],
                 "history_applied_steps": status["history_applied_steps"],
                 "dropped_stale_steps": status["metrics"]["gateway_dropped_stale_steps_total"],
                 "rejected_by_reason": _by_label(status["metrics"]["gateway_rejected_total"], "reason"),

@@ -25,6 +25,7 @@ bytes, which are the same on every little-endian host (x86-64, aarch64/Jetson).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import math
@@ -556,6 +557,7 @@ class CheckpointStore:
         prefix: str = "ckpt",
         *,
         max_bytes: int = DEFAULT_MAX_BYTES,
+        exclusive: bool = False,
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
@@ -574,10 +576,34 @@ class CheckpointStore:
         if not self.directory.exists():
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             os.chmod(self.directory, 0o700)  # mkdir's mode is masked by the umask
+        self._lock_fd: int | None = None
+        if exclusive:
+            self._lock()
         for leftover in self.directory.iterdir():
             if self._temp.fullmatch(leftover.name) and leftover.is_file():
                 log.info("removing %s, left by a checkpoint write that did not finish", leftover)
                 leftover.unlink(missing_ok=True)
+
+    def _lock(self) -> None:
+        # Two writers would resume from and overwrite each other's files; the kernel drops the
+        # lock when the process dies, so a kill -9 never leaves the directory locked.
+        path = self.directory / f".{self.prefix}.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise CheckpointError(
+                f"{self.directory}: another process is using this directory for {self.prefix} "
+                f"checkpoints ({path} is locked); give each one its own directory"
+            ) from None
+        self._lock_fd = fd
+
+    def close(self) -> None:
+        """Let another process use the directory (also what process exit does)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def path_for(self, number: int) -> Path:
         """Where checkpoint `number` lives."""

@@ -17,7 +17,7 @@ answers.  So new gradients of a unit whose flight is unanswered wait in
 `pending` (their count grows, their memory does not) until it is answered.
 
 Acknowledged is not yet durable: a gateway that checkpoints says, with each ack,
-which checkpoint (`epoch`, a model version) will hold the push, and later that
+which checkpoint (`epoch`, a checkpoint number) will hold the push, and later that
 the checkpoint is on disk (a commit).  Until then the push's buffer is *held*:
 acknowledged pushes of a unit with the same gateway instance and epoch are
 summed into one held buffer, and a unit with `MAX_HELD` held buffers takes no
@@ -66,7 +66,7 @@ class Held:
     """Acknowledged pushes of a unit, summed, that the gateway has not yet written to disk."""
 
     instance: str  # the gateway instance that acknowledged them
-    epoch: int  # durable once that instance has a checkpoint of this model version
+    epoch: int  # durable once that instance has written checkpoint number `epoch`
     buffer: torch.Tensor
     count: int
     base_version: int
@@ -270,8 +270,8 @@ class GradientCache:
             unit.spare = buffer  # not zeroed: the next first add overwrites it
 
     # ------------------------------------------------------------------ durability
-    def commit(self, instance: str, durable_version: int) -> list[int]:
-        """`instance` has a checkpoint of `durable_version` on disk: release what it covers.
+    def commit(self, instance: str, durable_epoch: int) -> list[int]:
+        """`instance` has written checkpoint `durable_epoch`: release what it covers.
 
         Returns, per unit, the step-gradients that became durable.
         """
@@ -280,7 +280,7 @@ class GradientCache:
             for unit in self.units:
                 keep = []
                 for held in unit.held:
-                    if held.instance == instance and held.epoch <= durable_version:
+                    if held.instance == instance and held.epoch <= durable_epoch:
                         unit.durable += held.count
                         released[unit.index] += held.count
                         self._recycle(unit, held.buffer, held.release)
@@ -289,8 +289,8 @@ class GradientCache:
                 unit.held = keep
         return released
 
-    def lost_to_pending(self, instance: str, durable_version: int) -> list[int]:
-        """`instance` died with a checkpoint of `durable_version` at most: what it acknowledged
+    def lost_to_pending(self, instance: str, durable_epoch: int) -> list[int]:
+        """`instance` died with checkpoint `durable_epoch` as its newest: what it acknowledged
         after that was lost with it and goes back into `pending`, to be sent again.
 
         Call `commit` for the same instance first.  Returns, per unit, the step-gradients
@@ -302,7 +302,7 @@ class GradientCache:
             for unit in self.units:
                 keep = []
                 for held in unit.held:
-                    if held.instance != instance or held.epoch <= durable_version:
+                    if held.instance != instance or held.epoch <= durable_epoch:
                         keep.append(held)
                         continue
                     self._settle(unit)

@@ -51,7 +51,7 @@ class EdgeState:
 
     def __init__(self, directory: str, client_id: str, keep: int = 2) -> None:
         self.client_id = client_id
-        self.store = CheckpointStore(directory, KIND, keep=keep, prefix=_prefix(client_id))
+        self.store = CheckpointStore(directory, KIND, keep=keep, prefix=_prefix(client_id), exclusive=True)
         self.saves = 0
         self.skipped: list[tuple[Path, str]] = []
         self.loaded: Path | None = None

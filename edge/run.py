@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from common.checkpoint import CheckpointError
 from common.keys import KeyFileError, KeyPair, read_key_file
 from common.link import Faults
 from common.task import TaskError, load_task, shard
@@ -131,7 +132,7 @@ def run(args: argparse.Namespace, config: EdgeConfig) -> int:
             sync_every=config.sync_every,
             pack_cap_bytes=config.pack_cap_kib * 1024,
         )
-    except OSError as exc:
+    except (OSError, CheckpointError) as exc:
         print(f"elasticfed edge: error: --state-dir {config.state_dir}: {exc}", file=sys.stderr)
         return 2
     state = agent.session.state

@@ -236,7 +236,7 @@ class EdgeSession:
         self.welcomed = False
         self.gateway_id = ""
         self.commits = False  # whether the gateway checkpoints (acks then carry epochs)
-        self._durable_seen: dict[str, int] = {}  # instance -> newest durable version heard
+        self._durable_seen: dict[str, int] = {}  # instance -> newest checkpoint it said is on disk
         self.announced = model_version
         self._model_asked_at = -1.0  # newest model request not answered yet (-1: none)
         self._model_first_ask = -1.0  # oldest one: an answer covers at least that request
@@ -346,6 +346,7 @@ class EdgeSession:
         self._wake_tx.close(linger=0)
         if self.state is not None and not self._thread.is_alive():
             self._persist(self.clock(), force=True)
+            self.state.store.close()
         elif self.cache.held_steps():
             log.warning(
                 "%d acknowledged step-gradients are not durable yet and are not saved (no state "
@@ -680,9 +681,9 @@ class EdgeSession:
             self._covers(self._probes_sent.pop(msg.nonce, -math.inf))
             self._announce(msg.model_version)
             self._settle(msg.verdicts, msg.gateway_id, now)
-            self._commit(msg.gateway_id, msg.durable_version)
+            self._commit(msg.gateway_id, msg.durable_epoch)
         elif isinstance(msg, Commit):
-            self._commit(msg.gateway_id, msg.durable_version)
+            self._commit(msg.gateway_id, msg.durable_epoch)
         elif isinstance(msg, Welcome):
             self._on_welcome(msg, now)
         elif isinstance(msg, Model):
@@ -739,17 +740,17 @@ class EdgeSession:
                     self._adapt_resend(msg.attempt)
             self._verdict(msg.seq, msg.accepted, msg.code, msg.detail, now, msg.gateway_id, msg.epoch)
         self._settle(msg.verdicts, msg.gateway_id, now)
-        self._commit(msg.gateway_id, msg.durable_version)
+        self._commit(msg.gateway_id, msg.durable_epoch)
 
     # ---------------------------------------------------------------- durability
-    def _commit(self, instance: str, durable_version: int) -> None:
-        """`instance` has a checkpoint of `durable_version` on disk: release what it covers."""
-        if not instance or durable_version <= self._durable_seen.get(instance, 0):
+    def _commit(self, instance: str, durable_epoch: int) -> None:
+        """`instance` has written checkpoint `durable_epoch`: release what it covers."""
+        if not instance or durable_epoch <= self._durable_seen.get(instance, 0):
             return
-        self._durable_seen[instance] = durable_version
+        self._durable_seen[instance] = durable_epoch
         while len(self._durable_seen) > 64:  # instances long gone
             del self._durable_seen[next(iter(self._durable_seen))]
-        for u, n in enumerate(self.cache.commit(instance, durable_version)):
+        for u, n in enumerate(self.cache.commit(instance, durable_epoch)):
             if n:
                 for name in self.cache.units[u].names:
                     self.metrics.durable.inc(name, by=n)
@@ -770,7 +771,7 @@ class EdgeSession:
             if any(moved):
                 log.warning(
                     "gateway instance %s died before writing %d acknowledged step-gradients of this "
-                    "edge to disk (it checkpointed through version %d): sending them again",
+                    "edge to disk (its newest checkpoint in this lineage is %d): sending them again",
                     instance,
                     sum(moved),
                     version,

@@ -215,8 +215,8 @@ class Welcome(Message):
     """Gateway -> edge: accepted; what the gateway already holds from this edge.
 
     `gateway_id` is new at every start of a gateway.  `durable` answers the hello's
-    `holding`: for each of those instances, the newest model version it wrote to
-    disk among the checkpoints this gateway descends from (0: none).  What another
+    `holding`: for each of those instances, the newest checkpoint (epoch) it wrote
+    among the checkpoints this gateway descends from (0: none).  What another
     instance acknowledged beyond that is lost with it: the edge sends it again.
     """
 
@@ -260,25 +260,26 @@ class Ack(Message):
     # Verdicts on this edge's other unresolved pushes: any one answer that gets through a
     # lossy link settles everything the gateway has judged (a cumulative acknowledgement).
     verdicts: tuple[tuple[int, str, int], ...] = wire(VERDICTS, default=())
-    # Applied pushes are durable once a checkpoint of model version `epoch` (or newer) is on
-    # disk; `durable_version` is the newest such checkpoint of this gateway.  0: no checkpoints.
+    # Checkpoints are numbered (epochs); an applied push is in checkpoint `epoch`, the next one
+    # this gateway writes.  `durable_epoch`: the newest checkpoint on disk.  0: no checkpoints.
     epoch: int = wire(UINT, default=0)
-    durable_version: int = wire(UINT, default=0)
+    durable_epoch: int = wire(UINT, default=0)
     gateway_id: str = wire(ID, default="")  # the instance whose epochs these are
 
 
 @dataclass(frozen=True)
 class Commit(Message):
     """Gateway -> edge: every push this gateway instance acknowledged with an epoch up to
-    `durable_version` is in a checkpoint on disk and survives any crash.
+    `durable_epoch` is in a checkpoint on disk and survives any crash.
 
-    Durability is named by model version rather than by sequence number: the edge sums
-    acknowledged pushes of a layer while it waits (bounded memory), and a sum can only be
-    released or re-sent as a whole; all pushes applied before a checkpoint share its version.
+    Durability is named by checkpoint number (epoch) rather than by sequence number: the
+    edge sums acknowledged pushes of a layer while it waits (bounded memory), and a sum can
+    only be released or re-sent as a whole; all pushes applied between two checkpoints share
+    the second one's number, and no other checkpoint holds part of them.
     """
 
     TYPE: ClassVar[str] = "commit"
-    durable_version: int = wire(UINT)
+    durable_epoch: int = wire(UINT)
     gateway_id: str = wire(ID, default="")
 
 
@@ -311,7 +312,7 @@ class Heartbeat(Message):
     model_version: int = wire(UINT, default=0)  # from the gateway: its newest model (an announcement)
     resolved_below: int = wire(UINT, default=0)  # from the edge: as in Push
     verdicts: tuple[tuple[int, str, int], ...] = wire(VERDICTS, default=())  # from the gateway: as in Ack
-    durable_version: int = wire(UINT, default=0)  # from the gateway: as in Ack
+    durable_epoch: int = wire(UINT, default=0)  # from the gateway: as in Ack
     gateway_id: str = wire(ID, default="")  # from the gateway: as in Ack
 
 

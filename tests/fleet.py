@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import zmq
 
 from cloud.config import CloudConfig, GatewaySettings
 from cloud.gateway import Gateway
@@ -45,10 +46,15 @@ def free_port() -> int:
 class Proc:
     """A child process whose stdout JSON events are collected as they come."""
 
-    def __init__(self, argv: list[str], name: str) -> None:
+    def __init__(self, argv: list[str], name: str, stdin: bool = False) -> None:
         self.name = name
         self.proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=process_env()
+            argv,
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=process_env(),
         )
         self.events: list[Event] = []
         self.stderr: list[str] = []
@@ -92,6 +98,12 @@ class Proc:
                         f"{self.name}: no event with {what} within {timeout} s{self._tail()}"
                     )
                 self._changed.wait(min(left, 0.1))
+
+    def tell(self, line: str) -> None:
+        """One line on the child's stdin (a Proc made with stdin=True)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
 
     def statuses(self) -> list[Event]:
         with self._changed:
@@ -141,7 +153,8 @@ def edge(endpoint: str, client_id: str, *flags: str) -> Proc:
 def gateway_process(port: int, *flags: str) -> Proc:
     argv = [
         sys.executable, "-m", "common.cli", "cloud", "serve", "--mode", "standalone",
-        "--gateway-bind", f"tcp://127.0.0.1:{port}", "--insecure", "--log-level", "warning", *flags,
+        "--gateway-bind", f"tcp://127.0.0.1:{port}", "--insecure", "--log-level", "warning",
+        "--gateway-checkpoint-dir", "", *flags,
     ]  # fmt: skip
     return Proc(argv, f"gateway:{port}")
 
@@ -193,3 +206,35 @@ def audit(gateway_status: dict[str, Any], summary: dict[str, Any]) -> None:
 
 def model_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+@contextmanager
+def pumped(gw: Gateway) -> Iterator[Gateway]:
+    """Serve from a thread; leaving the block is a crash: no checkpoint, no goodbye."""
+    stop = threading.Event()
+    deadline = time.monotonic() + 10
+    while True:  # libzmq lets go of a closed socket's port asynchronously
+        try:
+            gw.bind()
+            break
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+    def pump() -> None:
+        while not stop.is_set():
+            gw.poll_once(0.01)
+
+    thread = threading.Thread(target=pump, daemon=True)
+    thread.start()
+    try:
+        yield gw
+    finally:
+        stop.set()
+        thread.join(10)
+        assert gw._sock is not None
+        gw._sock.close(linger=0)
+        gw._sock = None
+        if gw.checkpoints is not None:
+            gw.checkpoints.store.close()  # as the kernel does for a process that died

@@ -18,6 +18,7 @@ import zmq
 from common.keys import KeyPair, configure_client
 from protocol import (
     Ack,
+    Commit,
     Dense,
     Heartbeat,
     Hello,
@@ -56,6 +57,7 @@ class ScriptedDevice:
         self.routing_id = routing_id if routing_id is not None else client_id
         self.seq = 1
         self.version = 0
+        self.commits: list[Commit] = []
         self.sock = self._open()
 
     def _open(self) -> zmq.Socket:
@@ -91,9 +93,17 @@ class ScriptedDevice:
                 self.sock.poll(int(min(left, 0.05) * 1000) + 1, zmq.POLLOUT)
 
     def receive(self, timeout_s: float = 5.0) -> Message:
-        if not self.sock.poll(int(timeout_s * 1000)):
-            raise NoReply(f"{self.client_id}: no answer within {timeout_s} s")
-        return decode(self.sock.recv_multipart(copy=False))
+        """The next answer; commits (sent unasked by a gateway that checkpoints) are set aside."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sock.poll(int(left * 1000) + 1):
+                raise NoReply(f"{self.client_id}: no answer within {timeout_s} s")
+            msg = decode(self.sock.recv_multipart(copy=False))
+            if isinstance(msg, Commit):
+                self.commits.append(msg)
+                continue
+            return msg
 
     def ask(self, msg: Message | Sequence[Any], timeout_s: float = 5.0) -> Message:
         """Send a message (or raw frames) and return the answer."""

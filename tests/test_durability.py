@@ -8,21 +8,19 @@ multi-process version with real kill -9 is tests/test_chaos.py.
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-import zmq
-from fleet import free_port
+from fleet import free_port, pumped
 from torch import nn
 
 from cloud.aggregation import DeadlineQuorum
 from cloud.durability import GatewayCheckpoints, export_state
 from cloud.gateway import Gateway, GatewayOptions
+from common.checkpoint import CheckpointError
 from edge.cache import GradientCache
 from edge.persistence import EdgeState
 from edge.persistence import export_state as export_edge_state
@@ -49,36 +47,6 @@ def make_gateway(directory: Path, endpoint: str, every_rounds: int = 1000) -> Ga
     )
     gw.checkpoints.restore(gw)  # type: ignore[union-attr]
     return gw
-
-
-@contextmanager
-def pumped(gw: Gateway) -> Iterator[Gateway]:
-    """Serve from a thread; leaving the block is a crash: no checkpoint, no goodbye."""
-    stop = threading.Event()
-    deadline = time.monotonic() + 10
-    while True:  # libzmq lets go of a closed socket's port asynchronously
-        try:
-            gw.bind()
-            break
-        except zmq.ZMQError as exc:
-            if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
-                raise
-            time.sleep(0.02)
-
-    def pump() -> None:
-        while not stop.is_set():
-            gw.poll_once(0.01)
-
-    thread = threading.Thread(target=pump, daemon=True)
-    thread.start()
-    try:
-        yield gw
-    finally:
-        stop.set()
-        thread.join(10)
-        assert gw._sock is not None
-        gw._sock.close(linger=0)
-        gw._sock = None
 
 
 def edge_session(endpoint: str, state_dir: Path | None = None) -> EdgeSession:
@@ -126,6 +94,8 @@ def crash(session: EdgeSession) -> None:
         session._wake()
     session._thread.join(10)
     session._wake_tx.close(linger=0)
+    if session.state is not None:
+        session.state.store.close()  # as the kernel does for a process that died
 
 
 def expected(*values: float) -> torch.Tensor:
@@ -275,9 +245,9 @@ def test_a_torn_or_foreign_edge_state_is_refused_and_the_previous_one_loaded(
         stranger = EdgeSession(options, Manifest.from_parameters(other.named_parameters()), cache)
         stranger.cache.add(0, [torch.ones(p.shape) for _, p in named], 0)
         tensors, meta = export_edge_state(stranger)
-        EdgeState(str(tmp_path), CLIENT).store.save(
-            int(newest.name.split("-")[-1].split(".")[0]), tensors, meta
-        )
+        store = EdgeState(str(tmp_path), CLIENT).store
+        store.save(int(newest.name.split("-")[-1].split(".")[0]), tensors, meta)
+        store.close()
         stranger.close()
 
     again = edge_session(endpoint, tmp_path)
@@ -298,3 +268,16 @@ def test_a_torn_or_foreign_edge_state_is_refused_and_the_previous_one_loaded(
         assert torch.equal(again.cache.units[0].pending[:6], torch.ones(6))
     finally:
         again.close()
+
+
+def test_a_second_gateway_or_edge_on_the_same_directory_is_refused(tmp_path: Path) -> None:
+    first = GatewayCheckpoints(str(tmp_path))
+    with pytest.raises(CheckpointError, match="another process is using this directory"):
+        GatewayCheckpoints(str(tmp_path))
+    first.store.close()  # what process exit does
+    GatewayCheckpoints(str(tmp_path)).store.close()
+    edge = EdgeState(str(tmp_path), CLIENT)
+    with pytest.raises(CheckpointError, match="another process is using this directory"):
+        EdgeState(str(tmp_path), CLIENT)
+    EdgeState(str(tmp_path), "another-device").store.close()  # one directory, several devices
+    edge.store.close()

@@ -72,7 +72,7 @@ def start_gateway(keys: Keys) -> tuple[Proc, str]:
         "--gateway-quorum", "1", "--gateway-round-deadline-s", "60",
         "--gateway-max-grad-norm", str(NORM_BOUND), "--gateway-norm-policy", "reject",
         "--gateway-max-staleness", str(MAX_STALENESS), "--gateway-rate-messages-per-s", "0",
-        "--log-level", "warning",
+        "--log-level", "warning", "--gateway-checkpoint-dir", "",
     ]  # fmt: skip
     proc = Proc(argv, "gateway")
     ready = proc.wait_for(lambda e: e.get("event") == "ready", 60, "ready")

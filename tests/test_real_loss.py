@@ -59,7 +59,8 @@ def start_gateway(lab: Lab, procs: list[Proc]) -> tuple[Proc, str]:
     endpoint = f"tcp://{lab.gateway_address}:{lab.free_port()}"
     argv = [
         sys.executable, "-m", "common.cli", "cloud", "serve", "--mode", "standalone",
-        "--gateway-bind", endpoint, "--insecure", "--log-level", "warning", *GATEWAY_FLAGS,
+        "--gateway-bind", endpoint, "--insecure", "--log-level", "warning", "--gateway-checkpoint-dir", "",
+        *GATEWAY_FLAGS,
     ]  # fmt: skip
     gateway = Proc(argv, "gateway")
     procs.append(gateway)
