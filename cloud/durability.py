@@ -57,6 +57,9 @@ class GatewayCheckpoints:
     every_rounds: int = 10
     keep: int = 3
     every_s: float = 0.0  # also at the first round close this long after the last checkpoint (0: off)
+    # And once no round has closed for this long while rounds are unsaved: the last contributions
+    # of a fleet that went quiet become durable without waiting for rounds that will not come.
+    idle_s: float = 1.0
     lineage_max: int = 1024  # instances remembered in the lineage (the oldest are forgotten)
     store: CheckpointStore = field(init=False)
     last_saved: Path | None = field(default=None, init=False)
@@ -70,14 +73,25 @@ class GatewayCheckpoints:
                 f"every_rounds, keep and lineage_max must be >= 1, got {self.every_rounds}, {self.keep}, "
                 f"{self.lineage_max}"
             )
-        if self.every_s < 0:
-            raise ValueError(f"every_s must be >= 0 (0: off), got {self.every_s}")
+        if self.every_s < 0 or self.idle_s <= 0:
+            raise ValueError(
+                f"every_s must be >= 0 (0: off) and idle_s > 0, got {self.every_s}, {self.idle_s}"
+            )
         self.store = CheckpointStore(self.directory, KIND, keep=self.keep, exclusive=True)
 
     def after_round(self, gateway: Gateway) -> None:
         closed = gateway.open.number - 1
         due = self.every_s > 0 and time.monotonic() - self.last_saved_at >= self.every_s
         if due or closed % self.every_rounds == 0:
+            self.save(gateway)
+
+    def when_idle(self, gateway: Gateway, now: float, last_close: float) -> None:
+        """Between rounds (nothing open), save rounds not on disk once the gateway has been idle."""
+        if (
+            gateway.open.opened_at is None
+            and self.saved_version != gateway.version
+            and now - last_close >= self.idle_s
+        ):
             self.save(gateway)
 
     def save(self, gateway: Gateway) -> Path:

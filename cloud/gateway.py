@@ -314,6 +314,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.metrics.version.set(value=version)
         self._snapshot = self._take_snapshot()
+        self._last_close = clock()
         self._sock: zmq.Socket | None = None
         self.bound_endpoint = ""
         self._bound = threading.Event()
@@ -384,6 +385,8 @@ class Gateway:
                     break
                 self.handle(frames)
         self.maybe_close_round()
+        if self.checkpoints is not None:
+            self.checkpoints.when_idle(self, self.clock(), self._last_close)
 
     def close(self, linger_s: float = 1.0) -> None:
         """Stop serving; replies already queued (the last round's acks) get `linger_s` to leave.
@@ -700,6 +703,7 @@ class Gateway:
             seconds=now - rnd.opened_at if rnd.opened_at is not None else 0.0,
         )
         self.open = OpenRound(number=rnd.number + 1, layers=len(self.params))
+        self._last_close = now
         log.debug("round %d closed: %s", summary.number, summary.as_dict())
         if self.checkpoints is not None:
             self.checkpoints.after_round(self)

@@ -636,7 +636,7 @@ class CheckpointStore:
         path = self.path_for(number)
         write_tensors(path, tensors, meta, self.kind, allow_nonfinite=allow_nonfinite)
         for old in [p for p in self.entries() if p != path][self.keep - 1 :]:
-            log.info("removing old checkpoint %s (keep=%d)", old, self.keep)
+            log.debug("removing old checkpoint %s (keep=%d)", old, self.keep)
             old.unlink(missing_ok=True)
         return path
 

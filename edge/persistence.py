@@ -12,7 +12,10 @@ the next older one is used; with none left, the edge starts empty.
 Why a reload cannot count twice: a pending sum that is saved gets a *reserved*
 seq (edge/cache.py), which its next flight uses.  If that flight was sent and
 applied before a crash, the reloaded sum goes out with the same seq and the
-gateway answers "duplicate".  Flights keep their seq anyway.  Held sums are
+gateway answers "duplicate".  Flights keep their seq anyway.  Seqs are only
+reserved once a welcome in this process said which seqs the gateway has seen
+(an earlier run may have used some after its last save), and the welcome
+triggers a save before anything is sent.  Held sums are
 released or re-sent by what the next welcome says about their gateway instance.
 What a kill -9 or power cut loses is what was produced since the last save:
 at most `persist_every_s` of training (10 s by default).
@@ -117,7 +120,10 @@ def export_state(session: EdgeSession) -> tuple[dict[str, torch.Tensor], dict[st
                 "held": [],
             }
             if unit.pending_count:
-                if not unit.reserved_seq:
+                # Not before a welcome in this process: until then session.seq may be a seq an
+                # earlier run used after its last save.  Nothing is sent before then either,
+                # and the welcome saves again (edge/session.py).
+                if not unit.reserved_seq and session.seq_known:
                     unit.reserved_seq = session.seq
                     session.seq += 1
                 tensors[f"{unit.index}.pending"] = unit.pending.clone()  # training adds into it
@@ -197,8 +203,10 @@ def import_state(
         }
         if plan["pending_count"]:
             plan["pending"] = tensor("pending")
-            if not 0 < plan["reserved"] < seq:
-                raise CheckpointError(f"{where}: a pending sum without a reserved seq below {seq}")
+        if plan["reserved"] and (not plan["pending_count"] or plan["reserved"] >= seq):
+            raise CheckpointError(
+                f"{where}: reserved seq {plan['reserved']} without a pending sum or not below {seq}"
+            )
         if entry["flight"] is not None:
             f = entry["flight"]
             fseq = _count(f["seq"], f"{where}: flight seq")

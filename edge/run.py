@@ -187,6 +187,7 @@ def run(args: argparse.Namespace, config: EdgeConfig) -> int:
                         loss=float(loss.detach()),
                         version=agent.version,
                         undelivered_steps=status["undelivered_steps"],
+                        held_steps=status["held_steps"],
                         cache_bytes=status["cache_bytes"],
                         **_totals(status),
                     )

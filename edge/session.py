@@ -236,6 +236,10 @@ class EdgeSession:
         self.welcomed = False
         self.gateway_id = ""
         self.commits = False  # whether the gateway checkpoints (acks then carry epochs)
+        # Until a welcome in this process says which seqs the gateway has seen, a saved state's
+        # seq counter may be behind what an earlier run used after its last save: no seq is
+        # reserved (edge/persistence.py) before then.
+        self.seq_known = False
         self._durable_seen: dict[str, int] = {}  # instance -> newest checkpoint it said is on disk
         self.announced = model_version
         self._model_asked_at = -1.0  # newest model request not answered yet (-1: none)
@@ -294,10 +298,15 @@ class EdgeSession:
         self.state: EdgeState | None = None
         self._persisted: tuple[int, ...] | None = None
         self._next_persist = start + options.persist_every_s
+        # The lowest seq the saved state could send again after a crash: the gateway must keep
+        # its verdict (see _oldest_unanswered), or a reloaded push it refused would be taken
+        # for a duplicate of an applied one.
+        self._saved_floor: int | None = None
         if options.state_dir:
             self.state = EdgeState(options.state_dir, options.client_id)
             if self.state.load(self) is not None:
                 self._persisted = self._signature()
+            self._saved_floor = self._oldest_unanswered()
 
     # ============================================================ training thread
     def start(self) -> None:
@@ -601,10 +610,19 @@ class EdgeSession:
                 self._mark_weak(u, flight)
 
     def _oldest_unanswered(self) -> int:
-        # _flights is keyed by seq in increasing order; a reserved seq is not sent yet but will be.
+        """`resolved_below`: the gateway may forget verdicts below it.
+
+        Unanswered flights, reserved seqs (not sent yet, but they will be) and what the
+        last save could send again after a crash all stay above it.
+        """
+        # _flights is keyed by seq in increasing order.
         oldest = next(iter(self._flights), self.seq)
         reserved = self.cache.oldest_reserved()
-        return min(oldest, reserved) if reserved else oldest
+        if reserved:
+            oldest = min(oldest, reserved)
+        if self._saved_floor is not None:
+            oldest = min(oldest, self._saved_floor)
+        return oldest
 
     def _outstanding(self) -> int:
         return self._outstanding_n
@@ -709,6 +727,10 @@ class EdgeSession:
         # Above everything the gateway judged from this client id: after a restart that lost
         # this edge's newest state, a reused seq would be taken for a duplicate.
         self.seq = max(self.seq, msg.next_seq)
+        if not self.seq_known:
+            self.seq_known = True
+            if self.state is not None:
+                self._persist(now, force=True)  # pending sums get their seqs before any is sent
         self._on_durable_list(msg, now)
         if new_instance:
             self._covers(now)  # reloaded flights (edge/persistence.py) go again now
@@ -897,7 +919,7 @@ class EdgeSession:
 
     # ---------------------------------------------------------------------- timers
     def _tick(self, now: float) -> None:
-        if self.state is not None and now >= self._next_persist:
+        if self.state is not None and (now >= self._next_persist or self._window_needs_save()):
             self._persist(now)
         if self.down is not None:
             for frames in self.down.due(now):
@@ -938,17 +960,35 @@ class EdgeSession:
             self.cache.held_steps(),
         )
 
+    def _window_needs_save(self) -> bool:
+        """Half the gateway's verdict window is used since the last save, and a save would free it.
+
+        The gateway keeps verdicts from the oldest seq the last save could re-send; saving
+        early (rather than waiting for `persist_every_s`) keeps a fast edge from stalling on
+        `window` refusals.
+        """
+        saved = self._saved_floor
+        if saved is None or self.seq - saved < self.window // 2:
+            return False
+        now_floor = next(iter(self._flights), self.seq)
+        reserved = self.cache.oldest_reserved()
+        return (min(now_floor, reserved) if reserved else now_floor) > saved
+
     def _persist(self, now: float, force: bool = False) -> None:
         assert self.state is not None
         self._next_persist = now + self.options.persist_every_s
         signature = self._signature()
         if not force and signature == self._persisted:
             return
+        floor = self._saved_floor
+        self._saved_floor = None  # what the save about to be written could re-send, not the last one
         try:
-            self.state.save(self)
+            self.state.save(self)  # reserves seqs for pending sums
         except OSError as exc:  # a full or read-only disk must not stop training; say so
+            self._saved_floor = floor
             log.error("could not save the edge state to %s: %s", self.options.state_dir, exc)
             return
+        self._saved_floor = self._oldest_unanswered()
         self._persisted = signature
         self.metrics.persists.inc()
 

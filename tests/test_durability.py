@@ -281,3 +281,50 @@ def test_a_second_gateway_or_edge_on_the_same_directory_is_refused(tmp_path: Pat
         EdgeState(str(tmp_path), CLIENT)
     EdgeState(str(tmp_path), "another-device").store.close()  # one directory, several devices
     edge.store.close()
+
+
+def test_the_last_rounds_of_a_fleet_that_went_quiet_become_durable_without_more_rounds(
+    tmp_path: Path,
+) -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    gw = make_gateway(tmp_path, endpoint)  # every 1000 rounds: only idleness can trigger a save
+    assert gw.checkpoints is not None
+    gw.checkpoints.idle_s = 0.2
+    session = edge_session(endpoint)
+    try:
+        with pumped(gw):
+            push(session, 1.0)
+            wait_for(lambda: gw.version == 1 and session.cache.held_steps() == 1, "an ack")
+            wait_for(lambda: session.cache.units[0].durable == 1, "the commit once the gateway is idle")
+            assert gw.checkpoints.saved_version == 1 and gw.durable_epoch == 1
+    finally:
+        session.close()
+
+
+def test_a_sum_saved_before_any_welcome_is_not_taken_for_a_duplicate_later(tmp_path: Path) -> None:
+    # Run 1 uses seq 2 after its last save and dies; run 2 reloads (seq counter 2), is never
+    # welcomed, trains and saves; run 3 must not send run 2's sum as seq 2 (applied already).
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    state = tmp_path / "edge"
+    with pumped(make_gateway(tmp_path / "gateway", endpoint, every_rounds=1)) as gw:
+        first = edge_session(endpoint, state)
+        push(first, 1.0)
+        wait_for(lambda: first.cache.units[0].durable == 1, "push 1 durable")
+        first._persist(time.monotonic(), force=True)
+        push(first, 2.0)  # seq 2, after the save
+        wait_for(lambda: first.cache.units[0].durable == 2 and gw.version == 2, "push 2 durable")
+        crash(first)
+    second = edge_session(endpoint, state)  # nobody listens
+    push(second, 5.0, sync=False)
+    second._persist(time.monotonic(), force=True)
+    assert second.cache.units[0].reserved_seq == 0  # no seq can be trusted yet
+    crash(second)
+    with pumped(make_gateway(tmp_path / "gateway", endpoint, every_rounds=1)) as gw:
+        third = edge_session(endpoint, state)
+        try:
+            assert third.cache.units[0].pending_count == 1
+            wait_for(lambda: gw.version == 3, "run 2's sum applied")
+            assert applied(gw) == [3, 3] and gw.metrics.duplicates.get(CLIENT) == 0
+            assert torch.equal(gw.model.weight.detach(), expected(1.0, 2.0, 5.0))
+        finally:
+            third.close()
