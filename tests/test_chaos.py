@@ -2,9 +2,11 @@
 
 Real processes: `elasticfed cloud serve` with a checkpoint directory, three
 `elasticfed edge` agents with state directories and 30% message loss each way.
-At seeded random moments the gateway gets SIGKILL and is started again on the
-same port and directory; one edge gets SIGKILL twice and is started again on its
-state directory with the steps it still owes.  Then everything stops cleanly.
+At seeded random moments (model versions) the gateway gets SIGKILL, while an
+edge holds acknowledged pushes not yet on disk, and is started again on the same
+port and directory; one edge gets SIGKILL twice and is started again on its state
+directory.  Both runs, with and without kills, train until the gateway closed
+the same number of rounds; then everything stops cleanly (SIGTERM: drain, save).
 
 What must hold (DESIGN.md guarantee 1, issue 7), per edge and layer, with the
 gateway's counts over its checkpointed history:
@@ -13,8 +15,9 @@ gateway's counts over its checkpointed history:
 - nothing counts twice: applied <= what the edge really produced (its runs'
   produced counts; a killed run's from its last status line, which comes every
   step, plus the one step that may have been under way);
-- the edges that were never killed: applied == durable exactly, and nothing is
-  left undelivered or held: what a dead gateway lost was sent again, once.
+- the edges that were never killed: applied == durable == produced exactly:
+  what a dead gateway lost was sent again, once;
+- nothing is left undelivered or held, and a dead gateway's loss was re-sent.
 
 And the accuracy is within 1 point of the same run without kills.
 """
@@ -25,6 +28,7 @@ import json
 import random
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +38,7 @@ from fleet import Proc, free_port
 pytestmark = pytest.mark.slow
 
 EDGES = 3
-TRAIN_S = 30.0  # seconds of training per edge, over all its runs
+ROUNDS = 250  # both runs train until the gateway closed this many rounds
 GATEWAY_FLAGS = [
     "--gateway-quorum", "2", "--gateway-round-deadline-s", "0.25", "--gateway-max-staleness", "50",
     "--gateway-weighting", "progress", "--gateway-edge-lr", "0.01",
@@ -58,14 +62,12 @@ def start_gateway(endpoint: str, directory: Path, procs: list[Proc]) -> tuple[Pr
     return gateway, ready
 
 
-def start_edge(
-    endpoint: str, i: int, state: Path, seconds: float, procs: list[Proc]
-) -> tuple[Proc, dict[str, Any]]:
+def start_edge(endpoint: str, i: int, state: Path, procs: list[Proc]) -> tuple[Proc, dict[str, Any]]:
     argv = [
         sys.executable, "-m", "edge", "--gateway", endpoint, "--client-id", f"edge-{i}",
         "--insecure", "--log-level", "warning", "--train-shard", f"{i}/{EDGES}",
         "--faults", f"loss=0.3,seed={i + 1}", "--state-dir", str(state / f"edge-{i}"),
-        "--train-duration-s", f"{seconds:.3f}", *EDGE_FLAGS,
+        "--train-duration-s", "600", *EDGE_FLAGS,
     ]  # fmt: skip
     edge = Proc(argv, f"edge-{i}")
     procs.append(edge)
@@ -73,41 +75,35 @@ def start_edge(
     return edge, start
 
 
-def trained_s(runs: list[dict[str, Any]]) -> float:
-    """Seconds of training in finished runs (a killed run's: to its last status line)."""
-    total = 0.0
-    for r in runs:
-        if "summary" in r:
-            total += r["summary"]["seconds"]
-        elif r.get("last_status") is not None:
-            total += r["last_status"]["t"]
-    return total
+def at_version(proc: Proc, version: int, more: Callable[[dict[str, Any]], bool] = lambda e: True) -> None:
+    """Wait until `proc` trains from global model `version` or newer (and `more` holds)."""
+    proc.wait_for(
+        lambda e: e.get("event") == "status" and e["version"] >= version and more(e),
+        240,
+        f"model version {version}",
+    )
 
 
 def run(tmp: Path, procs: list[Proc], chaos: bool, seed: int = 7) -> dict[str, Any]:
+    """Train until the gateway closed ROUNDS rounds (the same for both runs), then stop cleanly."""
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     gateway, _ = start_gateway(endpoint, tmp / "gateway", procs)
-    edges = [start_edge(endpoint, i, tmp, TRAIN_S, procs) for i in range(EDGES)]
+    edges = [start_edge(endpoint, i, tmp, procs) for i in range(EDGES)]
     runs: list[list[dict[str, Any]]] = [[{"start": start}] for _, start in edges]
     procs_of = [proc for proc, _ in edges]
     kills = {"gateway": 0, "edge": 0}
     resumed: list[Any] = []
     if chaos:
         rng = random.Random(seed)
-        # Moments in training time (by the edges' own clocks; edge 0 is never killed): three
-        # for the gateway, two for edge 2, mixed.
+        # Moments, as model versions (rounds closed): three for the gateway, two for edge 2, mixed.
         plan = sorted(
-            [(rng.uniform(0.1, 0.8) * TRAIN_S, "gateway") for _ in range(3)]
-            + [(rng.uniform(0.15, 0.75) * TRAIN_S, "edge") for _ in range(2)]
+            [(int(rng.uniform(0.1, 0.8) * ROUNDS), "gateway") for _ in range(3)]
+            + [(int(rng.uniform(0.15, 0.75) * ROUNDS), "edge") for _ in range(2)]
         )
         for moment, what in plan:
             if what == "gateway":
                 # Killed while edge 0 holds acknowledged pushes that are not on disk yet.
-                procs_of[0].wait_for(
-                    lambda e, t=moment: e.get("event") == "status" and e["t"] >= t and e["held_steps"] > 0,
-                    120,
-                    f"t={moment:.1f} with held steps",
-                )
+                at_version(procs_of[0], moment, lambda e: e["held_steps"] > 0)
                 gateway.proc.kill()
                 gateway.proc.wait(10)
                 gateway, ready = start_gateway(endpoint, tmp / "gateway", procs)
@@ -116,20 +112,17 @@ def run(tmp: Path, procs: list[Proc], chaos: bool, seed: int = 7) -> dict[str, A
                 kills["gateway"] += 1
             else:
                 victim = procs_of[2]
-                before = trained_s(runs[2][:-1])
-                victim.wait_for(
-                    lambda e, t=moment - before: e.get("event") == "status" and e["t"] >= t,
-                    120,
-                    f"t={moment:.1f}",
-                )
+                at_version(victim, moment)
                 victim.proc.kill()
                 victim.proc.wait(10)
                 runs[2][-1]["last_status"] = victim.statuses()[-1]
-                owed = TRAIN_S - trained_s(runs[2])
-                procs_of[2], start = start_edge(endpoint, 2, tmp, owed, procs)
+                procs_of[2], start = start_edge(endpoint, 2, tmp, procs)
                 assert start["resumed_from"] is not None, start
                 runs[2].append({"start": start})
                 kills["edge"] += 1
+    at_version(procs_of[0], ROUNDS)
+    for proc in procs_of:
+        proc.signal(signal.SIGTERM)  # stop training, drain, save
     summaries = [proc.summary(240) for proc in procs_of]
     for i, summary in enumerate(summaries):
         runs[i][-1]["summary"] = summary
