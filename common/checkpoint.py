@@ -44,6 +44,8 @@ import xxhash
 # safetensors' own parser (a length-prefixed JSON header and raw bytes): no pickle involved.
 from safetensors.torch import load as parse_safetensors
 
+from common.host_memory import release_free_memory
+
 log = logging.getLogger("elasticfed.checkpoint")
 
 FORMAT_VERSION = 1
@@ -143,6 +145,12 @@ def _fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
+def _finite(t: torch.Tensor) -> bool:
+    # In slices: a whole-tensor isfinite() would allocate a mask as large as the tensor's elements.
+    flat = t.reshape(-1)
+    return all(bool(part.isfinite().all()) for part in flat.split(1 << 20))
+
+
 def tensor_specs(tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
     """The `expect` argument of `read_tensors` for tensors shaped like these (e.g. a model's state_dict)."""
     return {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
@@ -161,7 +169,7 @@ def _prepare(tensors: Mapping[str, torch.Tensor], allow_nonfinite: bool) -> dict
         if tensor.layout != torch.strided:
             raise ValueError(f"tensor {name!r} has layout {tensor.layout}; only dense tensors are stored")
         t = tensor.detach().to("cpu").contiguous()
-        if not allow_nonfinite and (t.is_floating_point() or t.is_complex()) and not bool(t.isfinite().all()):
+        if not allow_nonfinite and (t.is_floating_point() or t.is_complex()) and not _finite(t):
             raise ValueError(
                 f"tensor {name!r} holds NaN or Inf (pass allow_nonfinite=True to store it anyway)"
             )
@@ -234,6 +242,7 @@ def write_tensors(
             pass
         raise
     _fsync_directory(path.parent)
+    release_free_memory()  # what preparing the file allocated (common/host_memory.py)
     return 8 + len(head) + offset
 
 

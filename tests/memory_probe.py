@@ -15,9 +15,10 @@ re-sends.  Protocol on stdin/stdout, one JSON line each way:
 from __future__ import annotations
 
 import json
+import logging
 import os
+import statistics
 import sys
-import threading
 import time
 
 import torch
@@ -44,7 +45,10 @@ def emit(event: str, **fields: object) -> None:
     print(json.dumps({"event": event, **fields}), flush=True)
 
 
-def main(endpoint: str, state_dir: str) -> None:
+def main(endpoint: str, state_dir: str, outage_steps: int = OUTAGE_STEPS) -> None:
+    logging.basicConfig(
+        level=os.environ.get("PROBE_LOG", "WARNING"), format="%(asctime)s %(name)s %(message)s"
+    )
     torch.set_num_threads(1)
     model = build_model()
     options = SessionOptions(
@@ -73,31 +77,26 @@ def main(endpoint: str, state_dir: str) -> None:
     emit("warm", model_bytes=model_bytes, rss=rss(), cache_bytes=agent.cache.host_bytes())
     assert sys.stdin.readline().strip() == "outage"
 
+    # RSS once per step (between steps: the step's own transient buffers are gone); the
+    # outage's start and end are the medians of its first and last tenth.
     samples: list[int] = []
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.wait(0.01):
-            samples.append(rss())
-
-    baseline = rss()
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
     started = time.monotonic()
-    for _ in range(OUTAGE_STEPS):
+    for _ in range(outage_steps):
         step()
-    done.set()
-    sampler.join()
+        samples.append(rss())
+    tenth = max(1, outage_steps // 10)
+    baseline = statistics.median(samples[:tenth])
+    end = statistics.median(samples[-tenth:])
     status = agent.session.status()
     metrics = status["metrics"]
     emit(
         "outage_done",
         model_bytes=model_bytes,
         baseline_rss=baseline,
-        peak_rss=max(samples + [rss()]),
-        end_rss=rss(),
+        peak_rss=max(samples),
+        end_rss=end,
         seconds=round(time.monotonic() - started, 1),
-        steps=OUTAGE_STEPS,
+        steps=outage_steps,
         undelivered_steps=status["undelivered_steps"],
         cache_bytes=status["cache_bytes"],
         reconnects=sum(metrics["edge_reconnects_total"].values()),
@@ -117,4 +116,4 @@ def main(endpoint: str, state_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], *(int(a) for a in sys.argv[3:4]))
