@@ -111,6 +111,12 @@ class TrainSettings:
         "torch.distributed backend (auto: nccl with a GPU, else gloo)",
         choices=("auto", "gloo", "nccl"),
     )
+    checkpoint_dir: str = setting(
+        "",
+        "checkpoint after every epoch and resume from the newest good checkpoint, so that torchrun "
+        "--max-restarts restarts continue (shared by all nodes; empty: off)",
+    )
+    checkpoint_keep: int = setting(2, "checkpoints kept; older ones are deleted", min=1)
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,13 @@ Launched by `torchrun --nproc_per_node=N -m cloud [flags]`, each worker reads
 its rank from torchrun's environment, trains on its shard of the task's data
 (a DistributedSampler split), and rank 0 evaluates after every epoch.  Started
 without torchrun it trains alone (world size 1) and says so.
+
+With `--train-checkpoint-dir`, rank 0 checkpoints after every epoch (model,
+optimizer, learning-rate schedule, epoch and step counts; `common/checkpoint.py`
+files) and every rank resumes from the newest good one at start.  That is what
+makes `torchrun --max-restarts=K` useful: when a rank dies, torchrun restarts
+all of them, and they go on from the last finished epoch instead of from
+scratch.  The directory must be the same storage for every node.
 """
 
 from __future__ import annotations
@@ -26,6 +33,13 @@ from torch.utils.data import DataLoader, DistributedSampler
 from cloud.collectives import CollectiveError
 from cloud.config import CloudConfig, SyncSettings, TrainSettings
 from cloud.layerwise import DivergenceError, LayerwiseDDP
+from common.checkpoint import (
+    CheckpointError,
+    CheckpointStore,
+    load_optimizer_state,
+    optimizer_state_tensors,
+    read_tensors,
+)
 from common.task import Task, TaskError, load_task
 
 log = logging.getLogger("elasticfed.cloud")
@@ -41,6 +55,7 @@ class TrainResult:
     seconds: float
     wire_bytes_per_step: int
     final_loss: float
+    resumed_from_epoch: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -70,27 +85,119 @@ def wrap(model: torch.nn.Module, sync: SyncSettings) -> LayerwiseDDP:
     )
 
 
+class TrainCheckpoints:
+    """Checkpoints of a torchrun job at epoch ends: rank 0 writes, every rank reads the newest good one."""
+
+    KIND = "elasticfed-cloud-train"
+    MODEL = "model/"
+
+    def __init__(self, directory: str, keep: int, task: Task) -> None:
+        self.rank = dist.get_rank()
+        # Only rank 0 writes; the lock keeps a second job out of the directory.
+        self.store = CheckpointStore(directory, self.KIND, keep=keep, exclusive=self.rank == 0)
+        self.task = task.name
+
+    def save(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        schedule: torch.optim.lr_scheduler.LRScheduler,
+        epoch: int,
+        steps: int,
+        accuracy: float,
+    ) -> None:
+        if self.rank != 0:
+            return
+        tensors = {self.MODEL + k: v for k, v in model.state_dict().items()}
+        optim_tensors, optim_meta = optimizer_state_tensors(optimizer)
+        tensors.update(optim_tensors)
+        meta = {
+            "task": self.task,
+            "epoch": epoch,
+            "steps": steps,
+            "accuracy": accuracy,
+            "optimizer": optim_meta,
+            "schedule": {k: v for k, v in schedule.state_dict().items() if isinstance(v, (int, float))},
+        }
+        self.store.save(epoch, tensors, meta)
+
+    def resume(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        schedule: torch.optim.lr_scheduler.LRScheduler,
+        device: torch.device,
+    ) -> tuple[int, int]:
+        """Load the newest good checkpoint into every rank; (epochs done, steps done), (0, 0) if none.
+
+        Raises CheckpointError when the ranks found different checkpoints (storage not shared).
+        """
+        expect = {self.MODEL + k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+        found = None
+        for path in self.store.entries():
+            try:
+                tensors, meta = read_tensors(path, self.KIND, max_bytes=self.store.max_bytes)
+                if meta.get("task") != self.task:
+                    raise CheckpointError(f"{path}: written for task {meta.get('task')!r}, not {self.task!r}")
+                for name, spec in expect.items():
+                    t = tensors.get(name)
+                    if t is None or (tuple(t.shape), t.dtype) != spec:
+                        raise CheckpointError(f"{path}: {name} is missing or has another shape or dtype")
+                found = (path, tensors, meta)
+                break
+            except (CheckpointError, OSError) as exc:
+                log.warning("skipped checkpoint %s: %s", path, exc)
+        epoch = int(found[2]["epoch"]) if found is not None else 0
+        agreed = torch.tensor([epoch, -epoch], dtype=torch.int64, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        if int(agreed[0]) != -int(agreed[1]):
+            raise CheckpointError(
+                f"ranks found checkpoints of different epochs (up to {int(agreed[0])} and down to "
+                f"{-int(agreed[1])}) in {self.store.directory}: it must be storage shared by every node"
+            )
+        if found is None:
+            return 0, 0
+        path, tensors, meta = found
+        with torch.no_grad():
+            model.load_state_dict(
+                {k[len(self.MODEL) :]: v for k, v in tensors.items() if k.startswith(self.MODEL)}
+            )
+        load_optimizer_state(optimizer, tensors, meta["optimizer"])
+        state = schedule.state_dict()
+        state.update(meta["schedule"])
+        schedule.load_state_dict(state)
+        if self.rank == 0:
+            log.info("resumed from %s: %d epochs and %d steps done", path, epoch, int(meta["steps"]))
+        return epoch, int(meta["steps"])
+
+
 def train(task: Task, sync: SyncSettings, settings: TrainSettings, device: torch.device) -> TrainResult:
     """Train `task` on this rank's shard; every rank returns the same accuracy (rank 0 evaluates)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(settings.seed)
-    model = wrap(task.build_model().to(device), sync)
+    module = task.build_model().to(device)
     lr = settings.lr or task.lr
     batch_size = settings.batch_size or task.batch_size
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=task.momentum)
     data = task.train_set()
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=settings.seed)
     loader = DataLoader(data, batch_size=batch_size, sampler=sampler, drop_last=True)
+    optimizer = torch.optim.SGD(module.parameters(), lr=lr, momentum=task.momentum)
     # Cosine decay to zero over the run: the last epochs settle instead of bouncing.
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(
         optimizer, T_max=max(1, settings.epochs * len(loader))
     )
+    checkpoints = (
+        TrainCheckpoints(settings.checkpoint_dir, settings.checkpoint_keep, task)
+        if settings.checkpoint_dir
+        else None
+    )
+    first_epoch, steps = checkpoints.resume(module, optimizer, schedule, device) if checkpoints else (0, 0)
+    model = wrap(module, sync)  # after the resume: construction broadcasts rank 0's parameters
     test_set = task.test_set()
     started = time.perf_counter()
-    steps = 0
     accuracy = 0.0
     last_loss = float("nan")
-    for epoch in range(settings.epochs):
+    for epoch in range(first_epoch, settings.epochs):
         sampler.set_epoch(epoch)
         total = 0.0
         count = 0
@@ -117,6 +224,8 @@ def train(task: Task, sync: SyncSettings, settings: TrainSettings, device: torch
                 accuracy * 100,
                 model.stats.wire_bytes_last_step / 1024,
             )
+        if checkpoints is not None:
+            checkpoints.save(module, optimizer, schedule, epoch + 1, steps, accuracy)
     return TrainResult(
         accuracy=accuracy,
         epochs=settings.epochs,
@@ -124,6 +233,7 @@ def train(task: Task, sync: SyncSettings, settings: TrainSettings, device: torch
         seconds=time.perf_counter() - started,
         wire_bytes_per_step=model.stats.wire_bytes_last_step,
         final_loss=last_loss,
+        resumed_from_epoch=first_epoch,
     )
 
 
@@ -181,6 +291,9 @@ def run(args: argparse.Namespace, config: CloudConfig) -> int:
     except (CollectiveError, DivergenceError) as exc:
         log.error("%s", exc)
         return EXIT_SYNC_FAILED
+    except CheckpointError as exc:
+        print(f"elasticfed cloud train: error: --train-checkpoint-dir: {exc}", file=sys.stderr)
+        return 2
     if dist.get_rank() == 0:
         log.info(
             "done: accuracy %.2f%% after %d epochs, %d steps, %.1f s",
