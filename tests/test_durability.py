@@ -8,19 +8,21 @@ multi-process version with real kill -9 is tests/test_chaos.py.
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from fleet import free_port, pumped
+from fleet import Proc, edge, free_port, pumped
 from torch import nn
 
 from cloud.aggregation import DeadlineQuorum
 from cloud.durability import GatewayCheckpoints, export_state
 from cloud.gateway import Gateway, GatewayOptions
 from common.checkpoint import CheckpointError
+from common.cli import main as cli_main
 from edge.cache import GradientCache
 from edge.persistence import EdgeState
 from edge.persistence import export_state as export_edge_state
@@ -122,7 +124,7 @@ def test_acknowledged_but_not_durable_pushes_are_sent_again_after_a_gateway_cras
             wait_for(lambda: session.cache.units[0].durable == 1, "the commit of version 1")
             push(session, 10.0)
             wait_for(lambda: first.version == 2 and session.cache.held_steps() == 1, "an ack of push 2")
-            assert session.cache.units[0].held[0].epoch == 2  # durable with a checkpoint of version 2
+            assert session.cache.units[0].held[0].epoch == 2  # durable once checkpoint 2 is written
         # Crashed before writing version 2: the second push was acknowledged, then lost.
         second = make_gateway(tmp_path, endpoint)
         assert second.version == 1 and second.lineage == {first.gateway_id: 1}
@@ -328,3 +330,43 @@ def test_a_sum_saved_before_any_welcome_is_not_taken_for_a_duplicate_later(tmp_p
             assert torch.equal(gw.model.weight.detach(), expected(1.0, 2.0, 5.0))
         finally:
             third.close()
+
+
+def test_sigterm_saves_the_edge_state_and_the_next_start_loads_it(tmp_path: Path, procs: list[Proc]) -> None:
+    # Nobody listens: everything the agent trains stays cached, and must survive the restart.
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    flags = ["--state-dir", str(tmp_path), "--persist-every-s", "3600", "--drain-s", "0.5"]
+    first = edge(endpoint, "sigterm", "--train-epochs", "100000", "--status-every-s", "0.05", *flags)
+    procs.append(first)
+    first.wait_for(lambda e: e.get("event") == "status" and e["steps"] >= 20, 60, "20 steps")
+    first.signal(signal.SIGTERM)
+    assert first.proc.wait(60) == 5  # exit 5: stopped with gradients undelivered (and saved)
+    summary = first.wait_for(lambda e: e.get("event") == "summary", 10, "a summary")
+    assert summary["undelivered_steps"] == summary["steps"] >= 20  # saved at exit, not on a timer
+    again = edge(endpoint, "sigterm", "--train-max-steps", "1", *flags)
+    procs.append(again)
+    start = again.wait_for(lambda e: e.get("event") == "start", 60, "a start event")
+    assert start["resumed_from"] is not None and start["skipped_states"] == []
+    assert start["undelivered_steps"] == summary["undelivered_steps"]
+    assert start["produced_steps"] == summary["produced_steps"]
+    again.kill()
+
+
+def test_a_gateway_directory_in_use_is_refused_at_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    holder = GatewayCheckpoints(str(tmp_path))
+    try:
+        argv = [
+            "cloud",
+            "serve",
+            "--mode",
+            "standalone",
+            "--insecure",
+            "--gateway-checkpoint-dir",
+            str(tmp_path),
+        ]
+        assert cli_main(argv) == 2
+        assert "another process is using this directory" in capsys.readouterr().err
+    finally:
+        holder.store.close()
