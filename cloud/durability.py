@@ -181,6 +181,7 @@ def import_state(
         state.floor = int(entry["floor"])
         for seq, code, attempt, epoch in entry["verdicts"]:
             state.record(int(seq), str(code), int(attempt), int(epoch))
+        state.forgotten_epoch = int(meta["epoch"])  # everything below the floor is in this file
         clients[cid] = state
     lineage = {str(k): int(v) for k, v in meta["lineage"].items()}
     applied: dict[str, list[int]] = {}

@@ -189,6 +189,12 @@ class ClientState:
     verdicts: dict[int, tuple[str, int, int]] = field(default_factory=dict)
     order: list[int] = field(default_factory=list)  # heap of the seqs in `verdicts`
     last_seen: float = 0.0
+    # Said hello to this gateway instance.  Not so for a state restored from a checkpoint: the
+    # edge must say hello (and learn of the restart) before a push is accepted.
+    welcomed: bool = False
+    # The newest epoch among applied verdicts forgotten below the floor: a duplicate from down
+    # there was applied in a checkpoint up to it (see _on_push).
+    forgotten_epoch: int = 0
 
     def record(self, seq: int, code: str, attempt: int, epoch: int = 0) -> None:
         self.verdicts[seq] = (code, attempt, epoch)
@@ -203,7 +209,9 @@ class ClientState:
         """The edge no longer needs verdicts below `floor`: forget them (bounded memory)."""
         self.floor = floor
         while self.order and self.order[0] < floor:
-            self.verdicts.pop(heapq.heappop(self.order), None)
+            verdict = self.verdicts.pop(heapq.heappop(self.order), None)
+            if verdict is not None and not verdict[0]:
+                self.forgotten_epoch = max(self.forgotten_epoch, verdict[2])
 
 
 @dataclass(frozen=True)
@@ -452,7 +460,7 @@ class Gateway:
             self._on_hello(route, msg, now, identity)
             return
         state = self.clients.get(client) if client else None
-        if state is None:
+        if state is None or not state.welcomed:
             self.metrics.rejected.inc(who or "?", Reason.NOT_WELCOMED.value)
             if isinstance(msg, Push):
                 self._ack(route, msg.seq, False, Reason.NOT_WELCOMED, "say hello first")
@@ -520,6 +528,7 @@ class Gateway:
             state.route = route
         self.routes[route] = msg.client_id
         state.last_seen = now
+        state.welcomed = True
         self.metrics.clients.set(value=len(self.clients))
         # Every instance asked about is answered: one this gateway does not descend from wrote
         # nothing it resumed from (0), so what it acknowledged is to be sent again.
@@ -563,9 +572,10 @@ class Gateway:
             state.raise_floor(msg.resolved_below)
         if msg.seq < state.floor or msg.seq in state.verdicts:
             self.metrics.duplicates.inc(cid)
-            # Below the floor the verdict is forgotten: the push was applied (or refused) by this
-            # model's history, so the next checkpoint holds it whatever it was.
-            code, attempt, epoch = state.verdicts.get(msg.seq, ("", 0, self._epoch()))
+            # Below the floor the verdict is forgotten: the push was judged in this model's history,
+            # at the latest in the checkpoint of the newest epoch forgotten (or the restored one).
+            forgotten = state.forgotten_epoch or self.durable_epoch
+            code, attempt, epoch = state.verdicts.get(msg.seq, ("", 0, forgotten))
             self._ack(
                 route,
                 msg.seq,

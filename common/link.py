@@ -206,6 +206,14 @@ class FaultyChannel(Generic[T]):
             out.append(heapq.heappop(self._queue)[2])
         return out
 
+    def clear(self) -> int:
+        """Drop every message not delivered yet (its connection is gone); returns how many."""
+        dropped = len(self)
+        self._queue.clear()
+        self._held = None
+        self.stats.lost += dropped
+        return dropped
+
     def next_due(self) -> float:
         return self._queue[0][0] if self._queue else math.inf
 

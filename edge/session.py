@@ -80,6 +80,7 @@ from edge.cache import Flight, GradientCache
 from edge.persistence import EdgeState
 from protocol import (
     DEFAULT_LIMITS,
+    UINT_MAX,
     Ack,
     Commit,
     Dense,
@@ -240,6 +241,7 @@ class EdgeSession:
         # seq counter may be behind what an earlier run used after its last save: no seq is
         # reserved (edge/persistence.py) before then.
         self.seq_known = False
+        self._must_save = False  # a save that must succeed before anything more is sent failed
         self._durable_seen: dict[str, int] = {}  # instance -> newest checkpoint it said is on disk
         self.announced = model_version
         self._model_asked_at = -1.0  # newest model request not answered yet (-1: none)
@@ -485,6 +487,14 @@ class EdgeSession:
             self._poller.unregister(self._sock)
             self._sock.close(linger=0)
             self._sock = None
+        self._drop_in_flight()
+
+    def _drop_in_flight(self) -> None:
+        """Messages the fault channels still hold were on a connection that is gone: as over TCP,
+        none of them may arrive on the next one (an old instance's ack, an old copy of a push)."""
+        for channel in (self.up, self.down):
+            if channel is not None:
+                channel.clear()
 
     def _on_monitor(self, now: float) -> None:
         assert self._monitor is not None
@@ -592,11 +602,16 @@ class EdgeSession:
             floor = self._oldest_unanswered()
             if self.seq - floor >= self.window:
                 return
+            if self._must_save:
+                return  # sums moved back to pending are not on disk yet (see _persist)
             flight = self.cache.take(u, self.seq, now, self.options.timeout_s)
+            if flight is None:
+                if not unit.pending_count:
+                    with self._lock:
+                        self._wanted.discard(u)
+                continue  # (or its held sums wait for a commit: it stays wanted)
             with self._lock:
                 self._wanted.discard(u)
-            if flight is None:
-                continue
             if flight.seq == self.seq:
                 self.seq += 1
             # A reserved seq (edge/persistence.py) is older than flights already out: keep
@@ -638,6 +653,8 @@ class EdgeSession:
         Those due on the timer go, and those sent before a request the gateway has now
         answered: the link works, and on a FIFO link their answer would have come first.
         """
+        if self._must_save:
+            return
         for seq in sorted(self._flights):
             if self._outstanding() >= self.credit:
                 return
@@ -698,7 +715,8 @@ class EdgeSession:
         elif isinstance(msg, Heartbeat):
             self._covers(self._probes_sent.pop(msg.nonce, -math.inf))
             self._announce(msg.model_version)
-            self._settle(msg.verdicts, msg.gateway_id, now)
+            if not msg.gateway_id or msg.gateway_id == self.gateway_id:  # as in _on_ack
+                self._settle(msg.verdicts, msg.gateway_id, now)
             self._commit(msg.gateway_id, msg.durable_epoch)
         elif isinstance(msg, Commit):
             self._commit(msg.gateway_id, msg.durable_epoch)
@@ -726,7 +744,12 @@ class EdgeSession:
         self.commits = msg.settings.get("commits") is True
         # Above everything the gateway judged from this client id: after a restart that lost
         # this edge's newest state, a reused seq would be taken for a duplicate.
-        self.seq = max(self.seq, msg.next_seq)
+        if msg.next_seq > UINT_MAX // 2:
+            log.warning("ignored next_seq %d from the gateway: not a plausible sequence number", msg.next_seq)
+        else:
+            self.seq = max(self.seq, msg.next_seq)
+        if new_instance:
+            self._drop_in_flight()
         if not self.seq_known:
             self.seq_known = True
             if self.state is not None:
@@ -751,6 +774,12 @@ class EdgeSession:
             self._announce(msg.model_version)
 
     def _on_ack(self, msg: Ack, now: float) -> None:
+        if msg.gateway_id and msg.gateway_id != self.gateway_id:
+            # From an instance that did not welcome this connection (a dead one's late answer, or
+            # a new one's before its welcome): its verdict cannot be trusted to tag held sums.
+            # The push stays unanswered and goes again; the live instance answers it.
+            self._commit(msg.gateway_id, msg.durable_epoch)
+            return
         self.credit = msg.credit
         self._announce(msg.model_version)
         u = self._flights.get(msg.seq)
@@ -772,10 +801,16 @@ class EdgeSession:
         self._durable_seen[instance] = durable_epoch
         while len(self._durable_seen) > 64:  # instances long gone
             del self._durable_seen[next(iter(self._durable_seen))]
-        for u, n in enumerate(self.cache.commit(instance, durable_epoch)):
+        released = self.cache.commit(instance, durable_epoch)
+        for u, n in enumerate(released):
             if n:
                 for name in self.cache.units[u].names:
                     self.metrics.durable.inc(name, by=n)
+        if any(released):  # a unit that waited on its held sums may send again
+            with self._lock:
+                self._wanted.update(
+                    u for u, n in enumerate(released) if n and self.cache.units[u].pending_count
+                )
 
     def _on_durable_list(self, msg: Welcome, now: float) -> None:
         """The welcome's answer about held instances: durable through a version, or lost."""
@@ -921,6 +956,8 @@ class EdgeSession:
     def _tick(self, now: float) -> None:
         if self.state is not None and (now >= self._next_persist or self._window_needs_save()):
             self._persist(now)
+        elif self._must_save:
+            self._persist(now, force=True)  # retried every tick: sending waits for it
         if self.down is not None:
             for frames in self.down.due(now):
                 self._handle(frames, now)
@@ -975,11 +1012,15 @@ class EdgeSession:
         return (min(now_floor, reserved) if reserved else now_floor) > saved
 
     def _persist(self, now: float, force: bool = False) -> None:
+        """Save when something changed (`force`: always, and nothing more is sent until it worked:
+        forced saves are the ones that make sending safe, see _on_welcome and _on_durable_list)."""
         assert self.state is not None
         self._next_persist = now + self.options.persist_every_s
         signature = self._signature()
-        if not force and signature == self._persisted:
+        if not force and signature == self._persisted and not self._must_save:
             return
+        if force:
+            self._must_save = True
         floor = self._saved_floor
         self._saved_floor = None  # what the save about to be written could re-send, not the last one
         try:
@@ -988,6 +1029,7 @@ class EdgeSession:
             self._saved_floor = floor
             log.error("could not save the edge state to %s: %s", self.options.state_dir, exc)
             return
+        self._must_save = False
         self._saved_floor = self._oldest_unanswered()
         self._persisted = signature
         self.metrics.persists.inc()

@@ -9,6 +9,7 @@ from protocol.manifest import LayerSpec, Manifest
 from protocol.messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
+    UINT_MAX,
     Ack,
     Commit,
     Heartbeat,
@@ -29,6 +30,7 @@ __all__ = [
     "FLOAT_DTYPES",
     "MESSAGE_TYPES",
     "PROTOCOL_VERSION",
+    "UINT_MAX",
     "Ack",
     "Commit",
     "Dense",

@@ -238,3 +238,5 @@ def pumped(gw: Gateway) -> Iterator[Gateway]:
         gw._sock = None
         if gw.checkpoints is not None:
             gw.checkpoints.store.close()  # as the kernel does for a process that died
+        if gw.admission is not None:
+            gw.admission.close()

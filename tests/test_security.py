@@ -15,10 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from fleet import free_port, pumped
 from scripted import NoReply, ScriptedDevice
 
 from cloud.admission import CurveAdmission
 from cloud.aggregation import DeadlineQuorum
+from cloud.durability import GatewayCheckpoints
 from cloud.gateway import Gateway, GatewayOptions
 from common.cli import main
 from common.keys import EnrolledDevices, KeyFileError, KeyFolder, generate, read_key_file
@@ -317,3 +319,48 @@ def test_insecure_mode_says_so_at_start_and_in_every_round_line() -> None:
     err = "".join(gateway.stderr)
     assert "--insecure: edges connect WITHOUT encryption or authentication" in err
     assert err.count("[INSECURE: no CURVE, anyone may push]") == 2  # one per round
+
+
+def test_a_restored_gateway_wants_a_hello_before_a_push_even_from_a_known_key(tmp_path: Path) -> None:
+    # Identity comes from the key, so a restored gateway could route a known device's push at
+    # once; it must not: the edge learns of the restart (and re-sends what was lost) from the hello.
+    keys = KeyFolder(tmp_path / "gw")
+    gateway_public = read_key_file(keys.init()).public
+    public, secret = generate("cam-1", tmp_path / "devices")
+    keys.enrol("cam-1", public)
+    curve = (read_key_file(secret, need_secret=True), gateway_public)
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+
+    def gateway() -> Gateway:
+        model = small_model()
+        admission = CurveAdmission.from_folder(str(keys.root))
+        gw = Gateway(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            GatewayOptions(bind=endpoint),
+            rounds=DeadlineQuorum(deadline_s=60.0, quorum=1),
+            admission=admission,
+            checkpoints=GatewayCheckpoints(str(tmp_path / "checkpoints"), every_rounds=1),
+        )
+        assert gw.checkpoints is not None
+        gw.checkpoints.restore(gw)
+        return gw
+
+    manifest = Manifest.from_parameters(small_model().named_parameters())
+    grads = {s.name: torch.full(s.shape, 0.01) for s in manifest}
+    device = ScriptedDevice(endpoint, "cam-1", manifest, curve=curve)
+    try:
+        with pumped(gateway()):
+            assert isinstance(device.hello(), Welcome)
+            answer = device.push(grads)
+            assert isinstance(answer, Ack) and answer.accepted
+        with pumped(gateway()) as second:
+            assert "cam-1" in second.clients  # restored: its floor and verdicts
+            device.reopen()
+            refused = device.push(grads)
+            assert isinstance(refused, Ack) and not refused.accepted and refused.code == "not_welcomed"
+            assert isinstance(device.hello(), Welcome)
+            again = device.push(grads)
+            assert isinstance(again, Ack) and again.accepted
+    finally:
+        device.close()
