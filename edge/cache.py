@@ -26,10 +26,12 @@ buffers per unit whatever the commit delay.  If the gateway instance dies before
 its checkpoint, the held sums go back into `pending` and are sent again (see
 `lost_to_pending`); the restarted gateway never saw them, so they count once.
 
-For the edge's own restarts (edge/persistence.py), a unit's pending sum can be
-given a *reserved* sequence number when it is saved: its next flight uses that
-number, so a sum saved, then sent and applied, then reloaded after a crash is
-recognised by the gateway as a duplicate instead of counting twice.
+For the edge's own restarts (edge/persistence.py): a sum a save recorded as
+*pending* must not leave before a later save records it as a flight, or a crash
+in between would reload it as pending and send it again under a new sequence
+number.  So the flight a unit takes after such a save is `held_for_save` until
+the next save (which the session makes at once); a flight recorded by a save
+keeps its seq, and the gateway answers a re-send of it as a duplicate.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ class Flight:
     release: Any = None  # object with .done once the transport no longer reads `buffer`
     attempts: int = 0  # re-sends so far (the push's `attempt` is this number when sent)
     resend_at: float = 0.0  # when a weak flight goes again if no answer came first
+    unsent: bool = False  # taken, not pushed yet (waits for a save, or for credit)
+    held_for_save: bool = False  # holds a sum a save recorded as pending: no push before a save
 
 
 @dataclass
@@ -99,7 +103,7 @@ class UnitState:
     staged: bool = False
     staged_first: bool = False
     produced: int = 0  # step-gradients ever added (for the count audit)
-    reserved_seq: int = 0  # the seq the next flight must use (0: a fresh one); see the module docstring
+    saved_pending: bool = False  # the last save recorded this pending sum (see the module docstring)
     held: list[Held] = field(default_factory=list)
     durable: int = 0  # step-gradients the gateway declared durable (for the count audit)
     dropped: int = 0  # step-gradients the gateway refused or dropped as too stale
@@ -210,8 +214,6 @@ class GradientCache:
                 return None
             fresh = unit.spare if unit.spare is not None else self._buffer(unit.numel, unit.dtype)
             unit.spare = None
-            if unit.reserved_seq:
-                seq, unit.reserved_seq = unit.reserved_seq, 0
             flight = Flight(
                 seq=seq,
                 buffer=unit.pending,
@@ -221,6 +223,7 @@ class GradientCache:
                 deadline=now + timeout_s,
                 last_sent=now,
             )
+            flight.held_for_save, unit.saved_pending = unit.saved_pending, False
             unit.flight = flight
             unit.pending = fresh
             unit.pending_count = 0
@@ -328,10 +331,12 @@ class GradientCache:
         with self.lock:
             return sum(h.count for u in self.units for h in u.held)
 
-    def oldest_reserved(self) -> int:
-        """The lowest reserved seq not used yet (0: none)."""
+    def after_save(self) -> None:
+        """A save recorded every flight: none holds a sum recorded only as pending any more."""
         with self.lock:
-            return min((u.reserved_seq for u in self.units if u.reserved_seq), default=0)
+            for unit in self.units:
+                if unit.flight is not None:
+                    unit.flight.held_for_save = False
 
     # ------------------------------------------------------------------- accounting
     def undelivered(self) -> int:

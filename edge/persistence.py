@@ -2,20 +2,21 @@
 
 What is saved, per unit: the pending sum and its count, the unanswered flight
 (seq, bytes, count), the held sums (acknowledged, not yet durable, with their
-gateway instance and epoch), the reserved seq and the audit counts; and the
-session's next seq.  Files are `common/checkpoint.py` files (safetensors + JSON,
-written to a temp file, fsynced and renamed), two kept, so a power cut during a
-save leaves the previous one.  A file that is torn, corrupt, of another device,
+gateway instance and epoch) and the audit counts; and the session's next seq.
+Files are `common/checkpoint.py` files (safetensors + JSON, written to a temp
+file, fsynced and renamed), two kept, so a power cut during a save leaves the
+previous one.  A file that is torn, corrupt, of another device,
 of another model or packed differently is skipped with a message naming it, and
 the next older one is used; with none left, the edge starts empty.
 
-Why a reload cannot count twice: a pending sum that is saved gets a *reserved*
-seq (edge/cache.py), which its next flight uses.  If that flight was sent and
-applied before a crash, the reloaded sum goes out with the same seq and the
-gateway answers "duplicate".  Flights keep their seq anyway.  Seqs are only
-reserved once a welcome in this process said which seqs the gateway has seen
-(an earlier run may have used some after its last save), and the welcome
-triggers a save before anything is sent.  Held sums are
+Why a reload cannot count twice: a flight keeps its seq, so if it was sent and
+applied before a crash, the gateway answers the reloaded copy "duplicate".  A
+pending sum is never sent before a save has recorded it as a flight (the
+session takes pending sums into flights just before it saves, and a sum saved
+as pending waits for the next save; edge/cache.py), so a sum reloaded as pending
+was never sent.  Fresh seqs are only handed out once a welcome in this process
+said which seqs the gateway has seen (an earlier run may have used some after
+its last save).  Held sums are
 released or re-sent by what the next welcome says about their gateway instance.
 What a kill -9 or power cut loses is what was produced since the last save:
 at most `persist_every_s` of training (10 s by default).
@@ -102,7 +103,7 @@ class EdgeState:
 
 
 def export_state(session: EdgeSession) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Tensors and JSON of the session's cache; pending sums get their reserved seq here."""
+    """Tensors and JSON of the session's cache (the session takes what it can into flights first)."""
     cache = session.cache
     tensors: dict[str, torch.Tensor] = {}
     units = []
@@ -119,15 +120,10 @@ def export_state(session: EdgeSession) -> tuple[dict[str, torch.Tensor], dict[st
                 "flight": None,
                 "held": [],
             }
+            # Recorded as pending: a flight taken from it later waits for the next save.
+            unit.saved_pending = unit.pending_count > 0
             if unit.pending_count:
-                # Not before a welcome in this process: until then session.seq may be a seq an
-                # earlier run used after its last save.  Nothing is sent before then either,
-                # and the welcome saves again (edge/session.py).
-                if not unit.reserved_seq and session.seq_known:
-                    unit.reserved_seq = session.seq
-                    session.seq += 1
                 tensors[f"{unit.index}.pending"] = unit.pending.clone()  # training adds into it
-            entry["reserved"] = unit.reserved_seq
             flight = unit.flight
             if flight is not None:
                 # Unchanged while unanswered, and answers are handled on this same thread.
@@ -193,7 +189,6 @@ def import_state(
         plan: dict[str, Any] = {
             "pending_count": _count(entry["pending_count"], f"{where}: pending_count"),
             "pending_base": _count(entry["pending_base"], f"{where}: pending_base"),
-            "reserved": _count(entry["reserved"], f"{where}: reserved"),
             "produced": _count(entry["produced"], f"{where}: produced"),
             "durable": _count(entry["durable"], f"{where}: durable"),
             "dropped": _count(entry["dropped"], f"{where}: dropped"),
@@ -203,10 +198,6 @@ def import_state(
         }
         if plan["pending_count"]:
             plan["pending"] = tensor("pending")
-        if plan["reserved"] and (not plan["pending_count"] or plan["reserved"] >= seq):
-            raise CheckpointError(
-                f"{where}: reserved seq {plan['reserved']} without a pending sum or not below {seq}"
-            )
         if entry["flight"] is not None:
             f = entry["flight"]
             fseq = _count(f["seq"], f"{where}: flight seq")
@@ -229,8 +220,7 @@ def import_state(
             )
         plans.append(plan)
     flight_seqs = [p["flight"][0] for p in plans if p["flight"] is not None]
-    reserved = [p["reserved"] for p in plans if p["reserved"]]
-    if len(set(flight_seqs + reserved)) != len(flight_seqs) + len(reserved):
+    if len(set(flight_seqs)) != len(flight_seqs):
         raise CheckpointError(f"{path}: two units share a seq")
 
     # Everything checked: apply.
@@ -242,7 +232,7 @@ def import_state(
             unit.pending_base = plan["pending_base"]
             if plan["pending"] is not None:
                 unit.pending.copy_(plan["pending"])
-            unit.reserved_seq = plan["reserved"]
+            unit.saved_pending = plan["pending_count"] > 0
             unit.produced, unit.durable, unit.dropped = plan["produced"], plan["durable"], plan["dropped"]
             unit.held = plan["held"]
             for held in unit.held:

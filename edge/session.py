@@ -225,6 +225,7 @@ class EdgeSession:
         # Shared with the training thread (guarded by _lock).
         self._lock = threading.Lock()
         self._wanted: set[int] = set()
+        self._save_requests: list[threading.Event] = []
         self._wake_pending = False
         self._model: Model | None = None  # newest received model not yet taken by training
         self._error: BaseException | None = None
@@ -238,10 +239,11 @@ class EdgeSession:
         self.gateway_id = ""
         self.commits = False  # whether the gateway checkpoints (acks then carry epochs)
         # Until a welcome in this process says which seqs the gateway has seen, a saved state's
-        # seq counter may be behind what an earlier run used after its last save: no seq is
-        # reserved (edge/persistence.py) before then.
+        # seq counter may be behind what an earlier run used after its last save: no fresh seq
+        # is handed out before then.
         self.seq_known = False
-        self._must_save = False  # a save that must succeed before anything more is sent failed
+        self._must_save = False  # a save must succeed before anything more is sent
+        self._save_retry_at = 0.0
         self._durable_seen: dict[str, int] = {}  # instance -> newest checkpoint it said is on disk
         self.announced = model_version
         self._model_asked_at = -1.0  # newest model request not answered yet (-1: none)
@@ -320,6 +322,19 @@ class EdgeSession:
         with self._lock:
             self._wanted.update(units)
             self._wake()
+
+    def save_now(self, timeout_s: float = 10.0) -> bool:
+        """Save the state now (from the I/O thread, which owns it); True once saved.
+
+        For a planned shutdown or a test; saves otherwise happen on their own policy.
+        """
+        if self.state is None:
+            return False
+        done = threading.Event()
+        with self._lock:
+            self._save_requests.append(done)
+            self._wake()
+        return done.wait(timeout_s)
 
     def take_model(self) -> Model | None:
         """The newest model received since the last call, if any."""
@@ -415,6 +430,8 @@ class EdgeSession:
         times = [now + self.options.heartbeat_s]
         if self.state is not None:
             times.append(self._next_persist)
+            if self._must_save:
+                times.append(self._save_retry_at)
         if self._has_weak():
             times.append(self._last_probe + self._probe_s)
             for u in self._flights.values():
@@ -612,29 +629,63 @@ class EdgeSession:
                 continue  # (or its held sums wait for a commit: it stays wanted)
             with self._lock:
                 self._wanted.discard(u)
-            if flight.seq == self.seq:
-                self.seq += 1
-            # A reserved seq (edge/persistence.py) is older than flights already out: keep
-            # _flights ordered by seq, which _oldest_unanswered relies on.
-            if self._flights and flight.seq < next(reversed(self._flights)):
-                self._flights = dict(sorted({**self._flights, flight.seq: u}.items()))
-            else:
-                self._flights[flight.seq] = u
+            self.seq += 1
+            self._flights[flight.seq] = u  # seqs increase: _flights stays ordered by seq
+            if flight.held_for_save:
+                # It holds a sum the last save recorded as pending: it leaves after the next save.
+                flight.unsent = True
+                flight.outstanding = False
+                self._must_save = True
+                continue
             self._outstanding_n += 1  # a new flight starts outstanding
             if not self._push(u, flight, now):
                 self._mark_weak(u, flight)
 
+    def _push_unsent(self, now: float) -> None:
+        """First sends of flights that waited (for a save, or for credit), oldest first."""
+        if not self.welcomed or self._must_save:
+            return
+        for seq in list(self._flights):
+            if self._outstanding() >= self.credit:
+                return
+            u = self._flights[seq]
+            flight = self.cache.units[u].flight
+            if flight is None or not flight.unsent or flight.held_for_save:
+                continue
+            flight.unsent = False
+            flight.first_sent = flight.last_sent = now
+            flight.deadline = now + self.options.timeout_s
+            self._set_outstanding(flight, True)
+            if not self._push(u, flight, now):
+                self._mark_weak(u, flight)
+
+    def _take_for_save(self, now: float) -> None:
+        """Pending sums become flights just before a save, so that the save records them as flights."""
+        if not self.seq_known:
+            return  # fresh seqs only once a welcome in this process said which the gateway has seen
+        for u, unit in enumerate(self.cache.units):
+            if unit.flight is not None or not unit.pending_count:
+                continue
+            if self.seq - self._oldest_unanswered() >= self.window:
+                return
+            flight = self.cache.take(u, self.seq, now, self.options.timeout_s)
+            if flight is None:
+                continue
+            self.seq += 1
+            self._flights[flight.seq] = u
+            flight.unsent = True
+            flight.outstanding = False
+            with self._lock:
+                self._wanted.discard(u)
+
     def _oldest_unanswered(self) -> int:
         """`resolved_below`: the gateway may forget verdicts below it.
 
-        Unanswered flights, reserved seqs (not sent yet, but they will be) and what the
-        last save could send again after a crash all stay above it.
+        Unanswered flights (sent or not yet) and what the last save could send again
+        after a crash all stay above it.
         """
         # _flights is keyed by seq in increasing order.
         oldest = next(iter(self._flights), self.seq)
-        reserved = self.cache.oldest_reserved()
-        if reserved:
-            oldest = min(oldest, reserved)
         if self._saved_floor is not None:
             oldest = min(oldest, self._saved_floor)
         return oldest
@@ -660,7 +711,7 @@ class EdgeSession:
                 return
             u = self._flights[seq]
             flight = self.cache.units[u].flight
-            if flight is None or flight.outstanding:
+            if flight is None or flight.outstanding or flight.unsent:
                 continue
             timer_due = self.loses_messages and now >= flight.resend_at
             if not timer_due and flight.last_sent >= sent_before:
@@ -954,10 +1005,17 @@ class EdgeSession:
 
     # ---------------------------------------------------------------------- timers
     def _tick(self, now: float) -> None:
+        with self._lock:
+            requests, self._save_requests = self._save_requests, []
+        if requests and self.state is not None:
+            self._persist(now, force=True)
+            if not self._must_save:
+                for done in requests:
+                    done.set()
         if self.state is not None and (now >= self._next_persist or self._window_needs_save()):
             self._persist(now)
-        elif self._must_save:
-            self._persist(now, force=True)  # retried every tick: sending waits for it
+        elif self._must_save and now >= self._save_retry_at:
+            self._persist(now, force=True)  # sending waits for it
         if self.down is not None:
             for frames in self.down.due(now):
                 self._handle(frames, now)
@@ -971,6 +1029,7 @@ class EdgeSession:
         covers, self._answer_covers = self._answer_covers, -math.inf
         if self.welcomed and self._has_weak():
             self._resend_weak(now, sent_before=covers)
+        self._push_unsent(now)
         self._send_wanted(now)
         if self.welcomed:
             self._ask_model(now)
@@ -1007,9 +1066,7 @@ class EdgeSession:
         saved = self._saved_floor
         if saved is None or self.seq - saved < self.window // 2:
             return False
-        now_floor = next(iter(self._flights), self.seq)
-        reserved = self.cache.oldest_reserved()
-        return (min(now_floor, reserved) if reserved else now_floor) > saved
+        return next(iter(self._flights), self.seq) > saved
 
     def _persist(self, now: float, force: bool = False) -> None:
         """Save when something changed (`force`: always, and nothing more is sent until it worked:
@@ -1023,15 +1080,18 @@ class EdgeSession:
             self._must_save = True
         floor = self._saved_floor
         self._saved_floor = None  # what the save about to be written could re-send, not the last one
+        self._take_for_save(now)
         try:
-            self.state.save(self)  # reserves seqs for pending sums
+            self.state.save(self)
         except OSError as exc:  # a full or read-only disk must not stop training; say so
             self._saved_floor = floor
+            self._save_retry_at = now + 0.5
             log.error("could not save the edge state to %s: %s", self.options.state_dir, exc)
             return
         self._must_save = False
+        self.cache.after_save()
         self._saved_floor = self._oldest_unanswered()
-        self._persisted = signature
+        self._persisted = self._signature()
         self.metrics.persists.inc()
 
     def _heartbeat(self, now: float) -> None:

@@ -174,12 +174,11 @@ def test_an_edge_killed_after_saving_does_not_count_a_sum_twice(tmp_path: Path) 
         push(session, 1.0)
         wait_for(lambda: session.cache.units[0].durable == 1, "push 1 durable")
         push(session, 5.0, sync=False)
-        session._persist(time.monotonic(), force=True)  # saved with seq reserved for this sum
-        reserved = session.cache.units[0].reserved_seq
-        assert reserved > 0
+        assert session.save_now()  # the sum is saved as a flight with its seq
+        assert session.cache.units[0].flight is not None  # (taken just before the save)
         session.request_sync([0])
         wait_for(lambda: session.cache.units[0].durable == 2, "the saved sum applied and durable")
-        crash(session)  # killed before the next save: the file still holds the sum as pending
+        crash(session)  # killed: the file holds the sum as an unanswered flight
         duplicates_before = gw.metrics.duplicates.get(CLIENT)
 
         again = edge_session(endpoint, state)
@@ -226,9 +225,9 @@ def test_a_torn_or_foreign_edge_state_is_refused_and_the_previous_one_loaded(
     endpoint = f"tcp://127.0.0.1:{free_port()}"  # nobody listens: everything stays cached
     session = edge_session(endpoint, tmp_path)
     push(session, 1.0, sync=False)
-    session._persist(time.monotonic(), force=True)
+    assert session.save_now()
     push(session, 1.0, sync=False)
-    session._persist(time.monotonic(), force=True)
+    assert session.save_now()
     crash(session)
     assert session.state is not None
     newest, older = session.state.store.entries()
@@ -312,14 +311,15 @@ def test_a_sum_saved_before_any_welcome_is_not_taken_for_a_duplicate_later(tmp_p
         first = edge_session(endpoint, state)
         push(first, 1.0)
         wait_for(lambda: first.cache.units[0].durable == 1, "push 1 durable")
-        first._persist(time.monotonic(), force=True)
+        assert first.save_now()
         push(first, 2.0)  # seq 2, after the save
         wait_for(lambda: first.cache.units[0].durable == 2 and gw.version == 2, "push 2 durable")
         crash(first)
     second = edge_session(endpoint, state)  # nobody listens
     push(second, 5.0, sync=False)
-    second._persist(time.monotonic(), force=True)
-    assert second.cache.units[0].reserved_seq == 0  # no seq can be trusted yet
+    assert second.save_now()
+    unit = second.cache.units[0]
+    assert unit.flight is None and unit.pending_count == 1  # saved as pending: no seq can be trusted yet
     crash(second)
     with pumped(make_gateway(tmp_path / "gateway", endpoint, every_rounds=1)) as gw:
         third = edge_session(endpoint, state)
