@@ -826,10 +826,13 @@ class EdgeSession:
 
     def _on_ack(self, msg: Ack, now: float) -> None:
         if msg.gateway_id and msg.gateway_id != self.gateway_id:
-            # From an instance that did not welcome this connection (a dead one's late answer, or
-            # a new one's before its welcome): its verdict cannot be trusted to tag held sums.
-            # The push stays unanswered and goes again; the live instance answers it.
+            # From an instance that did not welcome this edge (a new one, typically refusing with
+            # not_welcomed; or a dead one's late answer): its verdict cannot tag held sums.  The
+            # push stays unanswered and goes again once the instance that answers has welcomed us.
             self._commit(msg.gateway_id, msg.durable_epoch)
+            if self.welcomed:
+                self.welcomed = False
+                self._say_hello(now)
             return
         self.credit = msg.credit
         self._announce(msg.model_version)
