@@ -529,6 +529,8 @@ class Gateway:
         self.routes[route] = msg.client_id
         state.last_seen = now
         state.welcomed = True
+        if msg.resolved_below > state.floor:
+            state.raise_floor(msg.resolved_below)
         self.metrics.clients.set(value=len(self.clients))
         # Every instance asked about is answered: one this gateway does not descend from wrote
         # nothing it resumed from (0), so what it acknowledged is to be sent again.

@@ -548,6 +548,7 @@ class EdgeSession:
             next_seq=self.seq,
             settings=dict(self.options.settings),
             holding=tuple(self.cache.holding()[:16]),
+            resolved_below=self._oldest_unanswered(),
         )
         self._last_hello = now
         self._send(encode(hello), now)

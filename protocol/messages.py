@@ -208,6 +208,9 @@ class Hello(Message):
     settings: dict[str, object] = wire(Settings(), default_factory=dict)
     # Gateway instances whose acknowledged pushes this edge still holds, not yet known durable.
     holding: tuple[str, ...] = wire(StrList(DurableList.MAX_ITEMS, 256), default=())
+    # As in Push, applied before the welcome: after a gateway restart, a late copy of a push
+    # below it (a proxy can hold one across connections) is a duplicate, never applied.
+    resolved_below: int = wire(UINT, default=0)
 
 
 @dataclass(frozen=True)

@@ -102,6 +102,7 @@ messages = st.one_of(
         next_seq=uints,
         settings=settings,
         holding=st.lists(st.text(max_size=256), max_size=16).map(tuple),
+        resolved_below=uints,
     ),
     st.builds(
         Welcome,

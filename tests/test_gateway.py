@@ -589,3 +589,14 @@ def test_the_welcome_answers_every_instance_the_edge_holds_pushes_of(gateway: Ga
     # No checkpoints here: nothing of either is on disk, so the edge sends the dead one's again.
     assert welcome.durable == (("gw-dead", 0), (gateway.gateway_id, 0))
     assert welcome.settings["commits"] is False and welcome.next_seq == 0
+
+
+def test_a_hello_raises_the_floor_so_a_late_copy_below_it_is_never_applied(gateway: Gateway) -> None:
+    # After a restart, a proxy could still deliver an old copy of a push the edge has resolved
+    # (and, if a dead gateway applied it, sends again as a new push): it must count as a duplicate.
+    peer = Peer(gateway, "a")
+    peer.send(Hello(client_id="a", manifest=gateway.manifest, model_version=0, next_seq=5, resolved_below=5))
+    assert isinstance(peer.recv(), Welcome)
+    late = peer.push(3, grads_for(gateway, 1.0))
+    assert late.accepted and late.detail == "answered before; not applied again"
+    assert gateway.metrics.duplicates.get("a") == 1 and gateway.open.contributions == 0
