@@ -1,6 +1,6 @@
 """torchrun elastic restarts: a killed rank's job resumes from the last epoch checkpoint, bit-exactly.
 
-Two gloo workers under `torchrun --max-restarts=1` with `--train-checkpoint-dir`.
+Two gloo workers under `torchrun --max-restarts=3` with `--train-checkpoint-dir`.
 Once a few epochs are checkpointed, rank 1 gets SIGKILL; torchrun restarts both
 workers, they resume from the newest checkpoint and finish.  The result equals,
 to the bit, an uninterrupted run of the same job: same accuracy and same final
@@ -67,7 +67,9 @@ def test_a_killed_rank_is_restarted_by_torchrun_and_the_job_resumes_bit_exactly(
     reference, _ = result(job(tmp_path, uuid.uuid4().hex))
     checkpoints = tmp_path / "checkpoints"
     marker = uuid.uuid4().hex
-    elastic = job(tmp_path, marker, restarts=1, checkpoints=checkpoints)
+    # More than one restart allowed: a restart whose gloo rendezvous fails (seen once in CI:
+    # "connectFullMesh ... Connection refused") is retried by torchrun, as in production.
+    elastic = job(tmp_path, marker, restarts=3, checkpoints=checkpoints)
     deadline = time.monotonic() + 120
     victim = None
     while time.monotonic() < deadline and elastic.poll() is None:  # epoch 5 on disk: kill rank 1

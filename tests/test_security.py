@@ -334,6 +334,8 @@ def test_a_restored_gateway_wants_a_hello_before_a_push_even_from_a_known_key(tm
     def gateway() -> Gateway:
         model = small_model()
         admission = CurveAdmission.from_folder(str(keys.root))
+        admission.devices.refresh_s = 0.05  # as in Fleet: the device was enrolled just before
+        admission.devices.miss_gap_s = 0.0
         gw = Gateway(
             model,
             torch.optim.SGD(model.parameters(), lr=0.1),
