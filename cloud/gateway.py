@@ -33,9 +33,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import zmq
@@ -54,7 +54,7 @@ from cloud.aggregation import (
 from cloud.durability import GatewayCheckpoints
 from common.hooks import trainable_parameters
 from common.link import TokenBucket
-from common.metrics import STALENESS_BUCKETS, Metrics
+from common.metrics import LATENCY_BUCKETS_S, STALENESS_BUCKETS, Metrics
 from protocol import (
     DEFAULT_LIMITS,
     Ack,
@@ -88,6 +88,44 @@ VERDICTS_PER_ANSWER = 64
 
 
 NORM_POLICIES = ("clip", "reject")
+
+
+class ModelUpdate(Protocol):
+    """Where a closed round's per-layer averages go: the one point standalone and hybrid differ."""
+
+    # True: the model changed in apply(), and the gateway publishes the new version to edges itself.
+    # False: someone else owns the model and calls Gateway.publish() (hybrid: the cloud trainer).
+    publishes: bool
+
+    def apply(self, round_number: int, averages: Sequence[torch.Tensor | None], steps: int) -> None:
+        """`averages[i]` for layer i of the manifest (None: nobody sent it); `steps` step-gradients."""
+
+
+class OptimizerStep:
+    """Standalone: the gateway's own optimizer steps its model with the averages as gradients."""
+
+    publishes = True
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        optimizer: torch.optim.Optimizer,
+        lr_factor: Callable[[int], float] | None = None,
+    ) -> None:
+        self.params = list(params)
+        self.optimizer = optimizer
+        self.lr_factor = lr_factor  # round number -> multiplier of the optimizer's learning rate
+        self._base_lr = [group["lr"] for group in optimizer.param_groups]
+
+    def apply(self, round_number: int, averages: Sequence[torch.Tensor | None], steps: int) -> None:
+        for param, avg in zip(self.params, averages):
+            param.grad = None if avg is None else avg.view_as(param).to(param.dtype)
+        if self.lr_factor is not None:
+            factor = self.lr_factor(round_number)
+            for group, base in zip(self.optimizer.param_groups, self._base_lr):
+                group["lr"] = base * factor
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
 
 
 @dataclass(frozen=True)
@@ -256,10 +294,14 @@ class GatewayMetrics:
         self.staleness = m.histogram(
             "gateway_staleness", "versions behind, per push", ["client"], STALENESS_BUCKETS
         )
+        self.sent_bytes = m.counter("gateway_sent_bytes_total", "bytes of replies (acks, models)", ["client"])
         self.send_failures = m.counter(
             "gateway_send_failures_total", "replies that could not be sent", ["reason"]
         )
         self.rounds = m.counter("gateway_rounds_total", "rounds closed")
+        self.round_seconds = m.histogram(
+            "gateway_round_seconds", "from a round's first contribution to its close", [], LATENCY_BUCKETS_S
+        )
         self.version = m.gauge("gateway_model_version", "current model version")
         self.clients = m.gauge("gateway_clients", "clients that said hello")
 
@@ -270,7 +312,7 @@ class Gateway:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | None,
         options: GatewayOptions | None = None,
         weighting: Weighting | None = None,
         rounds: RoundPolicy | None = None,
@@ -281,9 +323,10 @@ class Gateway:
         admission: CurveAdmission | None = None,
         aggregation: Aggregation | None = None,
         checkpoints: GatewayCheckpoints | None = None,
+        update: ModelUpdate | None = None,
     ) -> None:
         self.model = model
-        self.optimizer = optimizer
+        self.optimizer = optimizer  # None when `update` steps someone else's optimizer (hybrid)
         self.options = options or GatewayOptions()
         self.admission = admission  # None: --insecure (anyone reaching the port may talk)
         self.checkpoints = checkpoints  # None: state lives in memory only
@@ -292,8 +335,6 @@ class Gateway:
         self.rounds = rounds or DeadlineQuorum()
         self.on_round = on_round
         self.clock = clock
-        self.lr_factor = lr_factor  # round number -> multiplier of the optimizer's learning rate
-        self._base_lr = [group["lr"] for group in optimizer.param_groups]
         # New at every start, even with a configured prefix: edges tell instances apart by it, and
         # an instance's acknowledgements are durable only through what that instance wrote to disk.
         self.gateway_id = f"{self.options.gateway_id or 'gw'}-{os.urandom(6).hex()}"
@@ -301,6 +342,16 @@ class Gateway:
         self.manifest = Manifest.from_parameters(model.named_parameters())
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
+        if update is None:
+            if optimizer is None:
+                raise ValueError("a gateway needs an optimizer, or an update policy that owns the model")
+            update = OptimizerStep(self.params, optimizer, lr_factor)
+        elif checkpoints is not None:
+            raise ValueError(
+                "gateway checkpoints hold the gateway's own model and optimizer; with an update "
+                "policy that owns the model, checkpoint where the model lives"
+            )
+        self.update = update
         self.layer_index = {n: i for i, n in enumerate(self.names)}
         self.limits = self.options.limits or dataclasses.replace(
             limits_for(self.manifest, DEFAULT_LIMITS), encodings=self.options.encodings
@@ -321,8 +372,10 @@ class Gateway:
         self.applied_steps: dict[str, list[int]] = {}
         self.metrics = GatewayMetrics()
         self.metrics.version.set(value=version)
-        self._snapshot = self._take_snapshot()
+        # (version, parameters) served to edges; replaced whole, so a reader never sees a mix.
+        self._published = (version, self._take_snapshot())
         self._last_close = clock()
+        self.last_push_at: float | None = None  # when the last push was accepted (hybrid's drain)
         self._sock: zmq.Socket | None = None
         self.bound_endpoint = ""
         self._bound = threading.Event()
@@ -649,6 +702,7 @@ class Gateway:
             indices.append(i)
             count = max(count, layer.count)
         self.open.record(cid, indices, count, staleness, now)
+        self.last_push_at = now
         epoch = self._epoch()
         state.record(msg.seq, "", msg.attempt, epoch)
         self._ack(route, msg.seq, True, None, "", attempt=msg.attempt, epoch=epoch)
@@ -659,11 +713,13 @@ class Gateway:
             if unknown:
                 self._reply(route, Reject(code=Reason.UNKNOWN_LAYER.value, detail=f"no layer {unknown[0]!r}"))
                 return
-            layers = tuple(LayerTensor(n, Dense(self._snapshot[n])) for n in msg.names)
-            self._reply(route, Model(version=self.version, full=False, layers=layers))
+            version, params = self._published
+            layers = tuple(LayerTensor(n, Dense(params[n])) for n in msg.names)
+            self._reply(route, Model(version=version, full=False, layers=layers))
             return
-        layers = tuple(LayerTensor(n, Dense(self._snapshot[n])) for n in self.names)
-        self._reply(route, Model(version=self.version, full=True, layers=layers))
+        version, params = self._published
+        layers = tuple(LayerTensor(n, Dense(params[n])) for n in self.names)
+        self._reply(route, Model(version=version, full=True, layers=layers))
 
     # --------------------------------------------------------------------- rounds
     def maybe_close_round(self) -> RoundSummary | None:
@@ -673,11 +729,11 @@ class Gateway:
         return self.close_round(now)
 
     def close_round(self, now: float | None = None) -> RoundSummary:
-        """Average, step the optimizer, bump the version; layers nobody sent are left alone."""
+        """Average, hand the averages to the update policy, bump the version; unsent layers stay."""
         now = self.clock() if now is None else now
         rnd = self.open
-        updated = 0
-        for name, param, acc in zip(self.names, self.params, self.acc):
+        averages: list[torch.Tensor | None] = []
+        for name, acc in zip(self.names, self.acc):
             avg = acc.average(self.weighting.min_divisor())
             if avg is not None and not bool(torch.isfinite(avg).all()):
                 # Finite contributions can still overflow float32 together; the model must stay finite.
@@ -686,22 +742,17 @@ class Gateway:
                 )
                 self.metrics.nonfinite.inc(name)
                 avg = None
-            if avg is None:
-                param.grad = None
-            else:
-                param.grad = avg.view_as(param).to(param.dtype)
-                updated += 1
+            averages.append(avg)
             acc.reset()
+        updated = sum(avg is not None for avg in averages)
         if updated:
-            if self.lr_factor is not None:
-                factor = self.lr_factor(rnd.number)
-                for group, base in zip(self.optimizer.param_groups, self._base_lr):
-                    group["lr"] = base * factor
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            self.update.apply(rnd.number, averages, rnd.steps)
         self.version += 1
-        self._snapshot = self._take_snapshot()
+        if self.update.publishes:
+            self.publish(self.version)
         self.metrics.rounds.inc()
+        if rnd.opened_at is not None:
+            self.metrics.round_seconds.observe(value=now - rnd.opened_at)
         self.metrics.version.set(value=self.version)
         summary = RoundSummary(
             number=rnd.number,
@@ -752,13 +803,21 @@ class Gateway:
         self.open = OpenRound(number=round_number, layers=len(self.params))
         self.clients = clients
         self.routes = {}
-        self._snapshot = self._take_snapshot()
+        self._published = (version, self._take_snapshot())
         self.metrics.version.set(value=version)
         self.metrics.clients.set(value=len(clients))
 
     def snapshot(self) -> dict[str, torch.Tensor]:
-        """The current version's parameters; never modified afterwards (safe from any thread)."""
-        return self._snapshot
+        """The parameters served to edges now; never modified afterwards (safe from any thread)."""
+        return self._published[1]
+
+    def publish(self, version: int) -> None:
+        """Serve the model's current parameters as `version` from now on.
+
+        Called by whoever owns the model, between its updates: the gateway's own thread in
+        standalone mode, the cloud trainer on rank 0 in hybrid mode (cloud/hybrid.py).
+        """
+        self._published = (version, self._take_snapshot())
 
     def _take_snapshot(self) -> dict[str, torch.Tensor]:
         # Immutable per version: model answers are sent zero-copy while the optimizer moves on.
@@ -804,8 +863,11 @@ class Gateway:
     def _reply(self, route: bytes, msg: Message) -> None:
         if self._sock is None:
             return
+        frames = encode(msg)
         try:
-            self._sock.send_multipart([route, *encode(msg)], flags=zmq.NOBLOCK, copy=False)
+            self._sock.send_multipart([route, *frames], flags=zmq.NOBLOCK, copy=False)
+            sent = sum(len(frame_bytes(f)) for f in frames)
+            self.metrics.sent_bytes.inc(self.routes.get(route, "?"), by=sent)
         except zmq.Again:
             self.metrics.send_failures.inc("peer_queue_full")
         except zmq.ZMQError as exc:
