@@ -281,6 +281,11 @@ class OpenRound:
     staleness_sum: int = 0
     staleness_max: int = 0
     contributions: int = 0
+    layer_steps: list[int] = field(default_factory=list)  # step-gradients added, per layer
+
+    def __post_init__(self) -> None:
+        if not self.layer_steps:
+            self.layer_steps = [0] * self.layers
 
     def record(self, client: str, layer_indices: list[int], count: int, staleness: int, now: float) -> None:
         if self.opened_at is None:

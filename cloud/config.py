@@ -9,6 +9,7 @@ from common.shared_settings import (
     compression_setting,
     insecure_setting,
     log_level_setting,
+    shard_spec,
     task_setting,
     tcp_endpoint,
 )
@@ -117,6 +118,32 @@ class TrainSettings:
         "--max-restarts restarts continue (shared by all nodes; empty: off)",
     )
     checkpoint_keep: int = setting(2, "checkpoints kept; older ones are deleted", min=1)
+    shard: str = setting(
+        "",
+        "train on part i of n of the task's data, as 'i/n' (hybrid: leave the other parts to the "
+        "edges; empty: all); the ranks split that part between them",
+        check=shard_spec,
+    )
+
+
+@dataclass(frozen=True)
+class HybridSettings:
+    publish_every_s: float = setting(
+        1.0, "serve edges the cloud model at least this often (and after every mixed round)", min=0.01
+    )
+    idle_s: float = setting(
+        2.0, "after the last epoch, go on while an edge was heard from within this long", min=0.0
+    )
+    drain_s: float = setting(30.0, "but at most this long after the last epoch", min=0.0)
+    wait_for_edges: int = setting(
+        0,
+        "before the first step, wait until this many edges said hello (Flower's min_available_clients)",
+        min=0,
+    )
+    wait_s: float = setting(120.0, "but at most this long, then train anyway", min=0.0)
+    max_queued_rounds: int = setting(
+        4, "closed edge rounds waiting for a cloud step; more are added into the newest", min=1
+    )
 
 
 @dataclass(frozen=True)
@@ -136,11 +163,17 @@ class CloudConfig:
         "hybrid", "hybrid: cloud data plus edges; standalone: edges only", choices=("hybrid", "standalone")
     )
     task: str = task_setting()
-    edge_weight: float = setting(0.5, "mixing weight of the edge average in the cloud step", min=0.0, max=1.0)
+    edge_weight: float = setting(
+        0.5,
+        "hybrid: a step that mixes an edge round takes (1 - w) x the cloud gradient + w x the edge average",
+        min=0.0,
+        max=1.0,
+    )
     log_level: str = log_level_setting()
     sync: SyncSettings = section(SyncSettings, "layer-wise gradient sync between cloud ranks")
     train: TrainSettings = section(TrainSettings, "cloud training loop")
     gateway: GatewaySettings = section(GatewaySettings, "edge gateway")
+    hybrid: HybridSettings = section(HybridSettings, "hybrid mode: edge rounds in the cloud steps")
     security: CloudSecurity = section(CloudSecurity, "CURVE keys")
 
 

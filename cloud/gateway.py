@@ -97,8 +97,10 @@ class ModelUpdate(Protocol):
     # False: someone else owns the model and calls Gateway.publish() (hybrid: the cloud trainer).
     publishes: bool
 
-    def apply(self, round_number: int, averages: Sequence[torch.Tensor | None], steps: int) -> None:
-        """`averages[i]` for layer i of the manifest (None: nobody sent it); `steps` step-gradients."""
+    def apply(
+        self, round_number: int, averages: Sequence[torch.Tensor | None], layer_steps: Sequence[int]
+    ) -> None:
+        """`averages[i]` for layer i of the manifest (None: nobody sent it), of `layer_steps[i]` steps."""
 
 
 class OptimizerStep:
@@ -117,7 +119,9 @@ class OptimizerStep:
         self.lr_factor = lr_factor  # round number -> multiplier of the optimizer's learning rate
         self._base_lr = [group["lr"] for group in optimizer.param_groups]
 
-    def apply(self, round_number: int, averages: Sequence[torch.Tensor | None], steps: int) -> None:
+    def apply(
+        self, round_number: int, averages: Sequence[torch.Tensor | None], layer_steps: Sequence[int]
+    ) -> None:
         for param, avg in zip(self.params, averages):
             param.grad = None if avg is None else avg.view_as(param).to(param.dtype)
         if self.lr_factor is not None:
@@ -375,7 +379,8 @@ class Gateway:
         # (version, parameters) served to edges; replaced whole, so a reader never sees a mix.
         self._published = (version, self._take_snapshot())
         self._last_close = clock()
-        self.last_push_at: float | None = None  # when the last push was accepted (hybrid's drain)
+        # When a welcomed edge last sent anything (pushes, heartbeats): hybrid mode's drain.
+        self.last_heard_at: float | None = None
         self._sock: zmq.Socket | None = None
         self.bound_endpoint = ""
         self._bound = threading.Event()
@@ -521,6 +526,7 @@ class Gateway:
                 self._reply(route, Reject(code=Reason.NOT_WELCOMED.value, detail="say hello first"))
             return
         state.last_seen = now
+        self.last_heard_at = now
         if isinstance(msg, Push):
             self.metrics.bytes.inc(state.client_id, by=size)
             self._on_push(route, state, msg, now)
@@ -699,10 +705,10 @@ class Gateway:
             self.acc[i].add(cid, tensor, self.weighting.share(layer.count), scale * factor)
             self.metrics.applied.inc(cid, layer.name, by=layer.count)
             applied[i] += layer.count
+            self.open.layer_steps[i] += layer.count
             indices.append(i)
             count = max(count, layer.count)
         self.open.record(cid, indices, count, staleness, now)
-        self.last_push_at = now
         epoch = self._epoch()
         state.record(msg.seq, "", msg.attempt, epoch)
         self._ack(route, msg.seq, True, None, "", attempt=msg.attempt, epoch=epoch)
@@ -746,7 +752,7 @@ class Gateway:
             acc.reset()
         updated = sum(avg is not None for avg in averages)
         if updated:
-            self.update.apply(rnd.number, averages, rnd.steps)
+            self.update.apply(rnd.number, averages, rnd.layer_steps)
         self.version += 1
         if self.update.publishes:
             self.publish(self.version)

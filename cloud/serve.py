@@ -1,18 +1,27 @@
-"""`elasticfed cloud serve --mode standalone`: the edge gateway on its own (pure federated).
+"""`elasticfed cloud serve`: the edge gateway, alone (standalone) or inside cloud rank 0 (hybrid).
 
-Builds the task's model (seeded, so edges that start from the same seed agree
-before the first model arrives), serves edges until SIGTERM/SIGINT or
-`--gateway-max-rounds`, logs one line per round, and prints a JSON summary
-(version, rounds, test accuracy, counters) as its last line.  The first line
-on stdout is a JSON `ready` event with the bound endpoint, for supervisors and
-tests that bind to port 0.
+Standalone (pure federated): builds the task's model (seeded, so edges that
+start from the same seed agree before the first model arrives), serves edges
+until SIGTERM/SIGINT or `--gateway-max-rounds`, logs one line per round, and
+prints a JSON summary (version, rounds, test accuracy, counters) as its last
+line.
+
+Hybrid (`torchrun ... -m cloud serve --mode hybrid`): every rank trains on the
+cloud's data with layer-wise sync, and rank 0 hosts the gateway, whose rounds
+enter the cloud steps (cloud/hybrid.py).  Rank 0 prints the summary, with every
+rank's SHA-256 of its final parameters.
+
+Either way the first line on stdout is a JSON `ready` event with the bound
+endpoint, for supervisors and tests that bind to port 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -21,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from cloud.admission import CurveAdmission
 from cloud.aggregation import (
@@ -31,16 +41,19 @@ from cloud.aggregation import (
     Weighting,
     aggregation_named,
 )
+from cloud.collectives import CollectiveError
 from cloud.config import CloudConfig
 from cloud.durability import GatewayCheckpoints
-from cloud.gateway import Gateway, GatewayOptions, RoundSummary
+from cloud.gateway import Gateway, GatewayOptions, ModelUpdate, RoundSummary
+from cloud.hybrid import EdgeMixing, EdgeRounds
+from cloud.layerwise import DivergenceError
+from cloud.train import EXIT_SYNC_FAILED, _init_from_environment, pick_backend, train
 from common.checkpoint import CheckpointError
+from common.hooks import trainable_parameters
 from common.keys import KeyFileError
-from common.task import Task, TaskError, load_task
+from common.task import Task, TaskError, load_task, shard
 
 log = logging.getLogger("elasticfed.gateway")
-
-EXIT_NOT_BUILT = 69
 
 
 def load_admission(config: CloudConfig) -> CurveAdmission | None:
@@ -63,13 +76,19 @@ def build_gateway(
     on_round: Callable[[RoundSummary], None] | None = None,
     admission: CurveAdmission | None = None,
     checkpoints: GatewayCheckpoints | None = None,
+    model: torch.nn.Module | None = None,
+    update: ModelUpdate | None = None,
 ) -> Gateway:
-    """The gateway the `[gateway]` table describes, around the task's model."""
+    """The gateway the `[gateway]` table describes, around the task's model (or `model`, hybrid)."""
     g = config.gateway
-    torch.manual_seed(g.seed)
-    model = task.build_model()
+    if model is None:
+        torch.manual_seed(g.seed)
+        model = task.build_model()
     lr = g.lr or task.lr
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=g.momentum)
+    # With an update policy the model belongs to someone else, and so does its optimizer.
+    optimizer = (
+        None if update is not None else torch.optim.SGD(model.parameters(), lr=lr, momentum=g.momentum)
+    )
     weighting: Weighting
     if g.weighting == "progress":
         weighting = LocalProgress(
@@ -101,7 +120,8 @@ def build_gateway(
         checkpoints=checkpoints,
         rounds=DeadlineQuorum(deadline_s=g.round_deadline_s, quorum=g.quorum),
         on_round=on_round,
-        lr_factor=CosineDecay(g.lr_decay_rounds) if g.lr_decay_rounds else None,
+        lr_factor=CosineDecay(g.lr_decay_rounds) if g.lr_decay_rounds and update is None else None,
+        update=update,
     )
 
 
@@ -120,21 +140,8 @@ def _by_label(rows: dict[str, float], label: str) -> dict[str, float]:
     return out
 
 
-def run(args: argparse.Namespace, config: CloudConfig) -> int:
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    if config.mode != "standalone":
-        print(
-            "elasticfed cloud serve: hybrid mode (cloud workers plus the gateway on rank 0) is not built "
-            "yet (tracked in issue #8); use --mode standalone for the gateway alone.",
-            file=sys.stderr,
-        )
-        return EXIT_NOT_BUILT
-    try:
-        task = load_task(config.task)
-        admission = load_admission(config)
-    except (TaskError, KeyFileError) as exc:
-        print(f"elasticfed cloud serve: error: {exc}", file=sys.stderr)
-        return 2
+def round_logger(admission: CurveAdmission | None) -> Callable[[RoundSummary], None]:
+    """One log line per round (a warning in insecure mode, so it is never missed)."""
     insecure = " [INSECURE: no CURVE, anyone may push]" if admission is None else ""
 
     def on_round(summary: RoundSummary) -> None:
@@ -151,6 +158,38 @@ def run(args: argparse.Namespace, config: CloudConfig) -> int:
             insecure,
         )
 
+    return on_round
+
+
+def gateway_summary(gateway: Gateway, admission: CurveAdmission | None) -> dict[str, Any]:
+    """The gateway's half of the summary line: clients, the audit counts, refusals by reason."""
+    status = gateway.status()
+    return {
+        "gateway_id": gateway.gateway_id,
+        "version": gateway.version,
+        "clients": status["clients"],
+        "secure": status["secure"],
+        "handshakes_refused": admission.handshakes_refused if admission is not None else 0,
+        "applied_steps": status["metrics"]["gateway_applied_steps_total"],
+        "durable_epoch": status["durable_epoch"],
+        "history_applied_steps": status["history_applied_steps"],
+        "dropped_stale_steps": status["metrics"]["gateway_dropped_stale_steps_total"],
+        "rejected_by_reason": _by_label(status["metrics"]["gateway_rejected_total"], "reason"),
+        **totals(status),
+    }
+
+
+def run(args: argparse.Namespace, config: CloudConfig) -> int:
+    if config.mode == "hybrid":
+        return run_hybrid(config)
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    try:
+        task = load_task(config.task)
+        admission = load_admission(config)
+    except (TaskError, KeyFileError) as exc:
+        print(f"elasticfed cloud serve: error: {exc}", file=sys.stderr)
+        return 2
+    on_round = round_logger(admission)
     g = config.gateway
     checkpoints = None
     if g.checkpoint_dir:
@@ -185,26 +224,167 @@ def run(args: argparse.Namespace, config: CloudConfig) -> int:
     started = time.monotonic()
     gateway.serve(stop, max_rounds=config.gateway.max_rounds or None)
     accuracy = task.evaluate(gateway.model, task.test_set())
-    status = gateway.status()
     print(
         json.dumps(
             {
                 "event": "summary",
-                "gateway_id": gateway.gateway_id,
-                "version": gateway.version,
+                "mode": "standalone",
                 "accuracy": accuracy,
                 "seconds": round(time.monotonic() - started, 3),
-                "clients": status["clients"],
-                "secure": status["secure"],
-                "handshakes_refused": admission.handshakes_refused if admission is not None else 0,
-                "applied_steps": status["metrics"]["gateway_applied_steps_total"],
-                "durable_epoch": status["durable_epoch"],
-                "history_applied_steps": status["history_applied_steps"],
-                "dropped_stale_steps": status["metrics"]["gateway_dropped_stale_steps_total"],
-                "rejected_by_reason": _by_label(status["metrics"]["gateway_rejected_total"], "reason"),
-                **totals(status),
+                **gateway_summary(gateway, admission),
             }
         ),
         flush=True,
     )
+    return 0
+
+
+def parameters_digest(module: torch.nn.Module) -> str:
+    """SHA-256 of every parameter and buffer's bytes, in state_dict order (ranks compare these)."""
+    digest = hashlib.sha256()
+    for name, tensor in module.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def wait_for_edges(gateway: Gateway, count: int, wait_s: float) -> bool:
+    """Poll (the gateway thread fills `clients`) until `count` edges said hello, or `wait_s` passed."""
+    deadline = time.monotonic() + wait_s
+    log.info("waiting up to %.0f s for %d edge(s) to say hello", wait_s, count)
+    while sum(1 for c in list(gateway.clients.values()) if c.welcomed) < count:
+        if time.monotonic() >= deadline:
+            log.warning(
+                "only %d of %d edges after %.0f s: training anyway", len(gateway.clients), count, wait_s
+            )
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def gather_digests(digest: str, device: torch.device) -> list[str]:
+    """Every rank's parameter digest, on every rank (a 32-byte all-gather; ranks' stdout would interleave)."""
+    mine = torch.tensor(list(bytes.fromhex(digest)), dtype=torch.uint8, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [bytes(t.cpu().tolist()).hex() for t in every]
+
+
+def run_hybrid(config: CloudConfig) -> int:
+    """Every rank trains on cloud data; rank 0 also serves edges, whose rounds enter the steps."""
+    rank_name = os.environ.get("RANK", "0")
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format=f"%(asctime)s rank{rank_name} %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        task = load_task(config.task)
+        backend = pick_backend(config.train.backend)
+    except (TaskError, RuntimeError) as exc:
+        print(f"elasticfed cloud serve: error: {exc}", file=sys.stderr)
+        return 2
+    admission = None
+    if rank_name == "0":
+        try:
+            admission = load_admission(config)
+        except KeyFileError as exc:
+            print(f"elasticfed cloud serve: error: {exc}", file=sys.stderr)
+            return 2
+        if config.gateway.checkpoint_dir:
+            log.warning(
+                "hybrid mode: the gateway does not checkpoint (--gateway-checkpoint-dir is for "
+                "standalone mode); the cloud model is checkpointed with --train-checkpoint-dir, and "
+                "edges are not told anything is durable"
+            )
+    device, launched = _init_from_environment(backend, config.sync.timeout_s)
+    if not launched:
+        log.warning(
+            "not started by torchrun: one cloud worker plus the gateway; use "
+            "`torchrun --nproc-per-node=N -m cloud serve --mode hybrid` for N workers"
+        )
+    rank = dist.get_rank()
+    torch.manual_seed(config.train.seed)
+    module = task.build_model().to(device)
+    data = task.train_set()
+    if config.train.shard:
+        index, parts = (int(v) for v in config.train.shard.split("/"))
+        data = shard(data, index, parts, "iid", seed=config.train.seed)
+    gateway = None
+    rounds = None
+    stop_gateway = threading.Event()
+    thread = None
+    if rank == 0:
+        rounds = EdgeRounds(max_queued=config.hybrid.max_queued_rounds)
+        gateway = build_gateway(config, task, round_logger(admission), admission, model=module, update=rounds)
+        try:
+            endpoint = gateway.bind()  # here, so a taken port fails the job at once
+        except Exception as exc:  # zmq.ZMQError and friends: say which endpoint
+            print(
+                f"elasticfed cloud serve: error: --gateway-bind {config.gateway.bind}: {exc}", file=sys.stderr
+            )
+            dist.destroy_process_group()
+            return 2
+        # The socket moves to the serving thread; starting a thread is a full memory barrier.
+        thread = threading.Thread(target=gateway.serve, args=(stop_gateway,), name="gateway", daemon=True)
+        thread.start()
+        ready = {
+            "event": "ready",
+            "mode": "hybrid",
+            "endpoint": endpoint,
+            "gateway_id": gateway.gateway_id,
+            "world_size": dist.get_world_size(),
+            "backend": backend,
+        }
+        print(json.dumps(ready), flush=True)
+    if gateway is not None and config.hybrid.wait_for_edges:
+        wait_for_edges(gateway, config.hybrid.wait_for_edges, config.hybrid.wait_s)
+    params = gateway.params if gateway is not None else [p for _, p in trainable_parameters(module)]
+    mixing = EdgeMixing(
+        params,
+        config.edge_weight,
+        gateway=gateway,
+        rounds=rounds,
+        stop_gateway=stop_gateway,
+        gateway_thread=thread,
+        publish_every_s=config.hybrid.publish_every_s,
+        idle_s=config.hybrid.idle_s,
+        drain_s=config.hybrid.drain_s,
+    )
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: mixing.stop_requested.set())
+    try:
+        result = train(task, config.sync, config.train, device, module=module, mixing=mixing, data=data)
+    except (CollectiveError, DivergenceError) as exc:
+        log.error("%s", exc)
+        stop_gateway.set()
+        return EXIT_SYNC_FAILED
+    except CheckpointError as exc:
+        print(f"elasticfed cloud serve: error: --train-checkpoint-dir: {exc}", file=sys.stderr)
+        stop_gateway.set()
+        return 2
+    digests = gather_digests(parameters_digest(module), device)
+    if gateway is not None:
+        counts = mixing.counts
+        print(
+            json.dumps(
+                {
+                    "event": "summary",
+                    "mode": "hybrid",
+                    "world_size": dist.get_world_size(),
+                    "backend": backend,
+                    **result.as_dict(),
+                    "model_sha256_by_rank": digests,
+                    "edge_weight": config.edge_weight,
+                    "edge_rounds_mixed": counts.rounds,
+                    "mixing_steps": counts.mixing_steps,
+                    "rounds_merged": rounds.merged if rounds is not None else 0,
+                    "edge_steps_mixed": {
+                        name: n for name, n in zip(gateway.names, counts.steps_by_layer) if n
+                    },
+                    **gateway_summary(gateway, admission),
+                }
+            ),
+            flush=True,
+        )
+    dist.destroy_process_group()
     return 0

@@ -28,10 +28,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from cloud.collectives import CollectiveError
 from cloud.config import CloudConfig, SyncSettings, TrainSettings
+from cloud.hybrid import EdgeMixing
 from cloud.layerwise import DivergenceError, LayerwiseDDP
 from common.checkpoint import (
     CheckpointError,
@@ -171,20 +172,37 @@ class TrainCheckpoints:
         return epoch, int(meta["steps"])
 
 
-def train(task: Task, sync: SyncSettings, settings: TrainSettings, device: torch.device) -> TrainResult:
-    """Train `task` on this rank's shard; every rank returns the same accuracy (rank 0 evaluates)."""
+def train(
+    task: Task,
+    sync: SyncSettings,
+    settings: TrainSettings,
+    device: torch.device,
+    module: torch.nn.Module | None = None,
+    mixing: EdgeMixing | None = None,
+    data: Dataset | None = None,
+) -> TrainResult:
+    """Train `task` on this rank's shard; every rank returns the same accuracy (rank 0 evaluates).
+
+    Hybrid mode (cloud/hybrid.py) passes the model its gateway serves, the
+    `mixing` that brings edge rounds into the steps, and the cloud's part of the
+    data; the loop then also goes on past the last epoch while edges deliver.
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(settings.seed)
-    module = task.build_model().to(device)
+    if module is None:
+        torch.manual_seed(settings.seed)
+        module = task.build_model()
+    module = module.to(device)
     lr = settings.lr or task.lr
     batch_size = settings.batch_size or task.batch_size
-    data = task.train_set()
+    data = task.train_set() if data is None else data
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=settings.seed)
     loader = DataLoader(data, batch_size=batch_size, sampler=sampler, drop_last=True)
     optimizer = torch.optim.SGD(module.parameters(), lr=lr, momentum=task.momentum)
-    # Cosine decay to zero over the run: the last epochs settle instead of bouncing.
+    # Cosine decay over the run: the last epochs settle instead of bouncing.  To zero for the cloud
+    # alone; to 5% in hybrid mode, where edge rounds still arrive at the end and must move the model.
+    planned_steps = max(1, settings.epochs * len(loader))
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(
-        optimizer, T_max=max(1, settings.epochs * len(loader))
+        optimizer, T_max=planned_steps, eta_min=0.05 * lr if mixing is not None else 0.0
     )
     checkpoints = (
         TrainCheckpoints(settings.checkpoint_dir, settings.checkpoint_keep, task)
@@ -197,35 +215,55 @@ def train(task: Task, sync: SyncSettings, settings: TrainSettings, device: torch
     started = time.perf_counter()
     accuracy = 0.0
     last_loss = float("nan")
-    for epoch in range(first_epoch, settings.epochs):
+    stopped = False
+    epoch = first_epoch
+    # Planned epochs; in hybrid mode more (at the last learning rate) until `mixing` says stop.
+    while epoch < settings.epochs or (mixing is not None and not stopped):
         sampler.set_epoch(epoch)
         total = 0.0
         count = 0
         for x, y in loader:
+            scale = mixing.begin_step() if mixing is not None else 1.0
+            if scale is None:
+                stopped = True
+                break
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             loss = task.loss(model(x), y)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            if mixing is not None:
+                mixing.seed_gradients()
+            (loss * scale if scale != 1.0 else loss).backward()
             optimizer.step()
-            schedule.step()
+            if steps < planned_steps:
+                schedule.step()
             total += loss.item()
             count += 1
             steps += 1
-        last_loss = total / max(count, 1)
+            if mixing is not None:
+                mixing.end_step(planned_done=steps >= planned_steps)
+        last_loss = total / max(count, 1) if count else last_loss
+        epoch += 1
+        if stopped and count == 0:
+            break
         score = torch.tensor([task.evaluate(model.module, test_set) if rank == 0 else 0.0], device=device)
         dist.broadcast(score, src=0)
         accuracy = float(score.item())
         if rank == 0:
             log.info(
-                "epoch %d/%d  loss %.4f  test accuracy %.2f%%  sync %.1f KiB/step on the wire",
-                epoch + 1,
+                "epoch %d/%d%s  loss %.4f  test accuracy %.2f%%  sync %.1f KiB/step on the wire",
+                epoch,
                 settings.epochs,
+                "" if epoch <= settings.epochs else " (edges still delivering)",
                 last_loss,
                 accuracy * 100,
                 model.stats.wire_bytes_last_step / 1024,
             )
-        if checkpoints is not None:
-            checkpoints.save(module, optimizer, schedule, epoch + 1, steps, accuracy)
+        if checkpoints is not None and epoch <= settings.epochs:
+            checkpoints.save(module, optimizer, schedule, epoch, steps, accuracy)
+    if mixing is not None:
+        mixing.finish()
+        if sync.check_every:
+            model.check_consistency()  # after the last step too, not only before each forward
     return TrainResult(
         accuracy=accuracy,
         epochs=settings.epochs,

@@ -48,7 +48,7 @@ COMMANDS: tuple[Command, ...] = (
     ),
     Command(
         ("cloud", "serve"),
-        "run the cloud service: the edge gateway (standalone; with workers on rank 0: issue #8)",
+        "run the cloud service: the edge gateway alone (standalone) or in rank 0 of the torchrun workers",
         config="cloud.config:CloudConfig",
         run="cloud.serve:run",
     ),

@@ -10,6 +10,7 @@ from common.link import Faults
 
 _TASK = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
 _TCP = re.compile(r"^tcp://(\*|\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
+_SHARD = re.compile(r"^(\d+)/(\d+)$")
 _COMPRESSION = re.compile(r"^(none|fp16|bf16|topk:(0?\.\d+|1(\.0*)?)|powersgd:[1-9]\d*)$")
 
 
@@ -34,6 +35,16 @@ def compression(value: str) -> str | None:
         return "must be none, fp16, bf16, topk:<ratio in (0, 1]> or powersgd:<rank>"
     if value.startswith("topk:") and float(value[5:]) <= 0:
         return "topk ratio must be above 0"
+    return None
+
+
+def shard_spec(value: str) -> str | None:
+    """`i/n`: train on part i (0-based) of n of the task's data; empty: the whole training set."""
+    if not value:
+        return None
+    match = _SHARD.match(value)
+    if not match or not 0 <= int(match.group(1)) < int(match.group(2)):
+        return "must look like 'i/n' with 0 <= i < n, e.g. '2/4'"
     return None
 
 

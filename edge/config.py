@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from common.config import section, setting
@@ -11,21 +10,10 @@ from common.shared_settings import (
     faults_spec,
     insecure_setting,
     log_level_setting,
+    shard_spec,
     task_setting,
     tcp_endpoint,
 )
-
-_SHARD = re.compile(r"^(\d+)/(\d+)$")
-
-
-def shard_spec(value: str) -> str | None:
-    """`i/n`: this edge trains on part i (0-based) of n; empty: the whole training set."""
-    if not value:
-        return None
-    match = _SHARD.match(value)
-    if not match or not 0 <= int(match.group(1)) < int(match.group(2)):
-        return "must look like 'i/n' with 0 <= i < n, e.g. '2/4'"
-    return None
 
 
 @dataclass(frozen=True)

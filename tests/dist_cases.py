@@ -421,3 +421,72 @@ def sync_log_lines(rank: int, world: int) -> list[str]:
     (x,), y = _batch("mlp", rank, 0)
     F.cross_entropy(ours(x), y).backward()
     return [line for line in records if line.startswith("[SYNC]")]
+
+
+def edge_mixing(rank: int, world: int, weight: float, steps: int = 4) -> dict[str, Any]:
+    """Hybrid mode's arithmetic: a mixing step's gradient is (1 - w) x cloud mean + w x edge average.
+
+    Rank 0 queues one edge round (a known per-layer average) in a real gateway's
+    EdgeRounds; every rank runs the training loop's calls (begin_step,
+    seed_gradients, backward, end_step).  Each rank also computes its own plain
+    gradient on a copy, and the all-gathered copies give the expected result.
+    """
+    from cloud.gateway import Gateway
+    from cloud.hybrid import EdgeMixing, EdgeRounds
+    from common.hooks import trainable_parameters
+
+    torch.manual_seed(0)
+    module = MLP()
+    reference = copy.deepcopy(module)
+    rounds = gateway = None
+    if rank == 0:
+        rounds = EdgeRounds()
+        gateway = Gateway(module, None, update=rounds)
+    params = [p for _, p in trainable_parameters(module)]
+    ref_params = [p for _, p in trainable_parameters(reference)]
+    model = LayerwiseDDP(module, pack_cap_bytes=0)
+    mixing = EdgeMixing(params, weight, gateway=gateway, rounds=rounds, idle_s=0.0)
+    gen = torch.Generator().manual_seed(123)
+    edge_avg = [torch.randn(p.numel(), generator=gen) for p in params]
+    if rounds is not None:
+        rounds.apply(1, edge_avg, [7] * len(params))  # waits for the end of the first step
+    mixed, errors = [], []
+    step = 0
+    while True:
+        scale = mixing.begin_step()
+        if scale is None:
+            break
+        x, y = _batch("mlp", rank, step)
+        loss = F.cross_entropy(model(*x), y)
+        module.zero_grad(set_to_none=True)
+        mixing.seed_gradients()
+        (loss * scale).backward()
+        # The reference: this rank's plain gradient, all-gathered and averaged by hand.
+        reference.load_state_dict(module.state_dict())
+        reference.zero_grad(set_to_none=True)
+        F.cross_entropy(reference(*x), y).backward()
+        mix = mixing.mixes
+        assert scale == (1 - weight if mix else 1.0)
+        mixed.append(mix)
+        worst = 0.0
+        for p, r, avg in zip(params, ref_params, edge_avg):
+            every = [torch.empty_like(r.grad) for _ in range(world)]
+            dist.all_gather(every, r.grad.contiguous())
+            cloud = torch.stack(every).mean(0)
+            expected = (1 - weight) * cloud + weight * avg.view_as(cloud) if mix else cloud
+            worst = max(worst, float((p.grad - expected).abs().max()))
+        errors.append(worst)
+        with torch.no_grad():
+            for p in params:
+                p -= 0.1 * p.grad
+        step += 1
+        mixing.end_step(planned_done=step >= steps)
+    mixing.finish()
+    digest = [float(p.detach().double().sum()) for p in params]
+    return {
+        "mixed": mixed,
+        "errors": errors,
+        "digest": digest,
+        "rounds": mixing.counts.rounds,
+        "steps_by_layer": mixing.counts.steps_by_layer,
+    }

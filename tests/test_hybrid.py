@@ -1,0 +1,105 @@
+"""Hybrid mode for real: two gloo workers under torchrun, rank 0 hosting the gateway, two edge agents.
+
+The cloud trains on half of the digits data, each edge on a quarter (the other half).
+What must hold:
+- the model is the same on both cloud ranks after every step (the parameter
+  checksum comparison runs before every forward and once after the last step;
+  a difference fails the job with exit 3), and both ranks end with the same
+  SHA-256 of their parameters;
+- the count audit: every step-gradient an edge was told was delivered is in the
+  gateway's applied count, per layer; every round the gateway closed entered a
+  cloud step, and the step-gradients the trainer mixed in equal, per layer, what
+  the gateway applied from both edges;
+- accuracy on the digits test set >= 95%.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import dist_cases
+import pytest
+from distributed import run_ranks
+
+from tests.fleet import Proc, audit, edge, free_port
+
+EDGE_STEPS = 120
+
+
+def hybrid_job(port: int, *flags: str) -> Proc:
+    argv = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        "-m", "cloud", "serve", "--mode", "hybrid", "--insecure", "--log-level", "warning",
+        "--gateway-bind", f"tcp://127.0.0.1:{port}", "--train-backend", "gloo",
+        "--train-shard", "0/2", "--train-epochs", "30", "--sync-check-every", "1",
+        "--gateway-quorum", "2", "--gateway-round-deadline-s", "0.2",
+        "--hybrid-wait-for-edges", "2", "--hybrid-wait-s", "60", "--hybrid-idle-s", "1.5",
+        *flags,
+    ]  # fmt: skip
+    return Proc(argv, "torchrun")
+
+
+@pytest.mark.slow
+def test_two_torchrun_workers_and_two_edges_train_one_model(procs: list[Proc]) -> None:
+    job = hybrid_job(free_port())
+    procs.append(job)
+    ready = job.wait_for(lambda e: e.get("event") == "ready", 120, "the gateway on rank 0")
+    assert ready["world_size"] == 2 and ready["mode"] == "hybrid"
+    edges = [
+        edge(
+            ready["endpoint"],
+            f"edge-{i}",
+            "--train-shard",
+            f"{i + 1}/3",
+            "--train-max-steps",
+            str(EDGE_STEPS),
+            "--timeout-ms",
+            "300",
+            "--drain-s",
+            "30",
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    procs.extend(edges)
+    edge_summaries = [e.summary(180) for e in edges]
+    summary = job.summary(180)
+    assert job.proc.wait(30) == 0, job._tail()
+
+    digests = summary["model_sha256_by_rank"]
+    assert len(digests) == 2 and digests[0] == digests[1], digests
+    assert summary["world_size"] == 2 and summary["backend"] == "gloo"
+
+    # Edge -> gateway: what each edge was told was delivered is what the gateway applied, per layer.
+    gateway_status = {
+        "metrics": {
+            "gateway_applied_steps_total": summary["applied_steps"],
+            "gateway_dropped_stale_steps_total": summary["dropped_stale_steps"],
+        }
+    }
+    applied_per_layer: dict[str, int] = {}
+    for s in edge_summaries:
+        assert s["steps"] == EDGE_STEPS, s
+        audit(gateway_status, s)
+        for layer, n in s["delivered_steps"].items():
+            applied_per_layer[layer] = applied_per_layer.get(layer, 0) + int(n)
+    assert sum(applied_per_layer.values()) > 0, "no edge step-gradient was applied"
+    assert sorted(summary["clients"]) == ["edge-0", "edge-1"]
+
+    # Gateway -> cloud model: every closed round entered a cloud step, and with it every step-gradient.
+    assert summary["edge_rounds_mixed"] == summary["gateway_rounds_total"] > 0, summary
+    assert 0 < summary["mixing_steps"] <= summary["edge_rounds_mixed"]
+    assert summary["edge_steps_mixed"] == applied_per_layer, (summary["edge_steps_mixed"], applied_per_layer)
+
+    assert summary["accuracy"] >= 0.95, summary["accuracy"]
+
+
+@pytest.mark.parametrize("weight", [0.25, 1.0])
+def test_a_mixing_step_is_the_weighted_sum_on_every_rank(weight: float, tmp_path: Path) -> None:
+    results = [r["ok"] for r in run_ranks(dist_cases.edge_mixing, 2, tmp_path, weight=weight)]
+    for rank, res in enumerate(results):
+        # The round rank 0 queued before the first step enters the second, and only it.
+        assert res["mixed"] == [False, True, False, False], (rank, res["mixed"])
+        assert max(res["errors"]) < 1e-5, (rank, res["errors"])
+    assert results[0]["digest"] == results[1]["digest"]
+    assert results[0]["rounds"] == 1 and results[0]["steps_by_layer"] == [7] * len(results[0]["digest"])
