@@ -8,7 +8,9 @@ from common.config import section, setting
 from common.shared_settings import (
     compression_setting,
     insecure_setting,
+    log_format_setting,
     log_level_setting,
+    metrics_setting,
     shard_spec,
     task_setting,
     tcp_endpoint,
@@ -170,6 +172,8 @@ class CloudConfig:
         max=1.0,
     )
     log_level: str = log_level_setting()
+    log_format: str = log_format_setting()
+    metrics_bind: str = metrics_setting(9400)
     sync: SyncSettings = section(SyncSettings, "layer-wise gradient sync between cloud ranks")
     train: TrainSettings = section(TrainSettings, "cloud training loop")
     gateway: GatewaySettings = section(GatewaySettings, "edge gateway")

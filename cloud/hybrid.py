@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cloud.gateway import Gateway
+from common.metrics import Metrics
 
 log = logging.getLogger("elasticfed.hybrid")
 
@@ -103,6 +104,18 @@ class MixingCounts:
     steps_by_layer: list[int] = field(default_factory=list)
 
 
+class HybridMetrics:
+    def __init__(self) -> None:
+        m = self.registry = Metrics()
+        self.cloud_steps = m.counter("hybrid_cloud_steps_total", "cloud training steps taken")
+        self.mixing_steps = m.counter("hybrid_mixing_steps_total", "cloud steps that mixed an edge round")
+        self.rounds = m.counter("hybrid_edge_rounds_mixed_total", "gateway rounds mixed into the cloud model")
+        self.steps = m.counter(
+            "hybrid_edge_steps_mixed_total", "edge step-gradients mixed into the cloud model", ["layer"]
+        )
+        self.queued = m.gauge("hybrid_edge_rounds_queued", "closed edge rounds waiting for a cloud step")
+
+
 class EdgeMixing:
     """Runs on every cloud rank inside the training loop; rank 0 also drives the gateway.
 
@@ -140,6 +153,8 @@ class EdgeMixing:
         self.idle_s = idle_s
         self.drain_s = drain_s
         self.counts = MixingCounts(steps_by_layer=[0] * len(self.params))
+        self.metrics = HybridMetrics()
+        self._names = gateway.names if gateway is not None else []
         self.stop_requested = threading.Event()  # rank 0's SIGTERM
         # Its own group: the control broadcast never interleaves with the gradient collectives.
         self._group = dist.new_group(backend="gloo")
@@ -183,16 +198,21 @@ class EdgeMixing:
 
     def end_step(self, planned_done: bool) -> None:
         """Count what was mixed, publish the model, and tell every rank what the next step does."""
+        self.metrics.cloud_steps.inc()
         if self._mix:
             self.counts.mixing_steps += 1
+            self.metrics.mixing_steps.inc()
         if self.rank != 0:
             self._send(mix=False, stop=False)  # the values come from rank 0
             return
         now = time.monotonic()
         if self._mixing is not None:
             self.counts.rounds += len(self._mixing.numbers)
+            self.metrics.rounds.inc(by=len(self._mixing.numbers))
             for i, n in enumerate(self._mixing.layer_steps):
                 self.counts.steps_by_layer[i] += n
+                if n:
+                    self.metrics.steps.inc(self._names[i], by=n)
             # The gateway numbers versions by rounds closed: this model holds rounds up to this one.
             self._version = self._mixing.numbers[-1]
             self._publish(now)
@@ -205,6 +225,7 @@ class EdgeMixing:
             self._stop_gateway()
         assert self.rounds is not None
         self._next = self.rounds.take()
+        self.metrics.queued.set(value=len(self.rounds))
         stop = self._gateway_stopped and self._next is None
         self._send(mix=self._next is not None, stop=stop)
 

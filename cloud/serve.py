@@ -51,6 +51,9 @@ from cloud.train import EXIT_SYNC_FAILED, _init_from_environment, pick_backend, 
 from common.checkpoint import CheckpointError
 from common.hooks import trainable_parameters
 from common.keys import KeyFileError
+from common.logs import configure_logging
+from common.metrics import Metrics
+from common.metrics_http import ExtraGauge, MetricsServer, serve_metrics
 from common.task import Task, TaskError, load_task, shard
 
 log = logging.getLogger("elasticfed.gateway")
@@ -179,10 +182,41 @@ def gateway_summary(gateway: Gateway, admission: CurveAdmission | None) -> dict[
     }
 
 
+# An edge heartbeats every second when idle; one heard from within this long counts as connected.
+CONNECTED_WITHIN_S = 10.0
+
+
+def gateway_gauges(gateway: Gateway, checkpoints: GatewayCheckpoints | None) -> list[ExtraGauge]:
+    """Gauges computed when Prometheus scrapes: connected devices, checkpoint age."""
+
+    def connected() -> float:
+        now = gateway.clock()
+        return float(sum(1 for c in list(gateway.clients.values()) if now - c.last_seen < CONNECTED_WITHIN_S))
+
+    def checkpoint_age() -> float | None:
+        if checkpoints is None or checkpoints.last_saved is None:
+            return None
+        return time.monotonic() - checkpoints.last_saved_at
+
+    return [
+        ("gateway_connected_devices", f"devices heard from in the last {CONNECTED_WITHIN_S:g} s", connected),
+        ("gateway_checkpoint_age_seconds", "seconds since the newest checkpoint was written", checkpoint_age),
+    ]
+
+
+def start_metrics(bind: str, *registries: Metrics, extra: list[ExtraGauge]) -> MetricsServer | None:
+    """The /metrics endpoint when --metrics-bind asks for one; raises OSError naming the bind."""
+    if not bind:
+        return None
+    server = serve_metrics(bind, *registries, extra=extra, process_metrics=True)
+    log.info("Prometheus metrics at %s", server.url)
+    return server
+
+
 def run(args: argparse.Namespace, config: CloudConfig) -> int:
     if config.mode == "hybrid":
         return run_hybrid(config)
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    configure_logging(config.log_level, config.log_format, role="gateway")
     try:
         task = load_task(config.task)
         admission = load_admission(config)
@@ -207,6 +241,13 @@ def run(args: argparse.Namespace, config: CloudConfig) -> int:
         )
     gateway = build_gateway(config, task, on_round, admission, checkpoints)
     resumed = checkpoints.restore(gateway) if checkpoints is not None else None
+    try:
+        metrics = start_metrics(
+            config.metrics_bind, gateway.metrics.registry, extra=gateway_gauges(gateway, checkpoints)
+        )
+    except OSError as exc:
+        print(f"elasticfed cloud serve: error: --metrics-bind {config.metrics_bind}: {exc}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -219,10 +260,15 @@ def run(args: argparse.Namespace, config: CloudConfig) -> int:
         "durable_epoch": gateway.durable_epoch if checkpoints else None,
         "resumed_from": str(resumed) if resumed else None,
         "skipped_checkpoints": [f"{p}: {why}" for p, why in checkpoints.skipped] if checkpoints else [],
+        "metrics_url": metrics.url if metrics is not None else None,
     }
     print(json.dumps(ready), flush=True)
     started = time.monotonic()
-    gateway.serve(stop, max_rounds=config.gateway.max_rounds or None)
+    try:
+        gateway.serve(stop, max_rounds=config.gateway.max_rounds or None)
+    finally:
+        if metrics is not None:
+            metrics.close()
     accuracy = task.evaluate(gateway.model, task.test_set())
     print(
         json.dumps(
@@ -273,9 +319,11 @@ def gather_digests(digest: str, device: torch.device) -> list[str]:
 def run_hybrid(config: CloudConfig) -> int:
     """Every rank trains on cloud data; rank 0 also serves edges, whose rounds enter the steps."""
     rank_name = os.environ.get("RANK", "0")
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format=f"%(asctime)s rank{rank_name} %(levelname)s %(name)s: %(message)s",
+    configure_logging(
+        config.log_level,
+        config.log_format,
+        text_prefix=f"rank{rank_name} %(levelname)s ",
+        rank=int(rank_name),
     )
     try:
         task = load_task(config.task)
@@ -350,6 +398,23 @@ def run_hybrid(config: CloudConfig) -> int:
         idle_s=config.hybrid.idle_s,
         drain_s=config.hybrid.drain_s,
     )
+    metrics = None
+    if gateway is not None:
+        try:
+            metrics = start_metrics(
+                config.metrics_bind,
+                gateway.metrics.registry,
+                mixing.metrics.registry,
+                extra=gateway_gauges(gateway, None),
+            )
+        except OSError as exc:
+            print(
+                f"elasticfed cloud serve: error: --metrics-bind {config.metrics_bind}: {exc}", file=sys.stderr
+            )
+            stop_gateway.set()
+            return 2
+        if metrics is not None:
+            print(json.dumps({"event": "metrics", "metrics_url": metrics.url}), flush=True)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: mixing.stop_requested.set())
     try:
@@ -362,6 +427,9 @@ def run_hybrid(config: CloudConfig) -> int:
         print(f"elasticfed cloud serve: error: --train-checkpoint-dir: {exc}", file=sys.stderr)
         stop_gateway.set()
         return 2
+    finally:
+        if metrics is not None:
+            metrics.close()
     digests = gather_digests(parameters_digest(module), device)
     if gateway is not None:
         counts = mixing.counts

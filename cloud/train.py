@@ -41,6 +41,7 @@ from common.checkpoint import (
     optimizer_state_tensors,
     read_tensors,
 )
+from common.logs import configure_logging
 from common.task import Task, TaskError, load_task
 
 log = logging.getLogger("elasticfed.cloud")
@@ -304,9 +305,12 @@ def _init_from_environment(backend: str, timeout_s: float) -> tuple[torch.device
 
 def run(args: argparse.Namespace, config: CloudConfig) -> int:
     """CLI runner: exit 0 on success, 2 on a bad task, 3 when sync fails (naming the layer)."""
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format=f"%(asctime)s rank{os.environ.get('RANK', '0')} %(levelname)s %(name)s: %(message)s",
+    rank_name = os.environ.get("RANK", "0")
+    configure_logging(
+        config.log_level,
+        config.log_format,
+        text_prefix=f"rank{rank_name} %(levelname)s ",
+        rank=int(rank_name),
     )
     try:
         task = load_task(config.task)

@@ -40,7 +40,9 @@ class Counter(_Family):
 
     def __init__(self, *args: object) -> None:
         super().__init__(*args)  # type: ignore[arg-type]
-        self.values: dict[Labels, float] = {}
+        # Without labels there is one series, and it exists from the start (Prometheus sees a 0, not
+        # a missing series whose rate it cannot take).
+        self.values: dict[Labels, float] = {} if self.label_names else {(): 0}
 
     def inc(self, *labels: str, by: float = 1) -> None:
         key = self._key(labels)
@@ -160,12 +162,21 @@ class Metrics:
                             cumulative += n
                             le = "+Inf" if bound == math.inf else f"{bound:g}"
                             bucket_labels = _braces([*labels, 'le="' + le + '"'])
-                            lines.append(f"{full}_bucket{bucket_labels} {cumulative:g}")
-                        lines.append(f"{full}_sum{_braces(labels)} {value[-2]:g}")
-                        lines.append(f"{full}_count{_braces(labels)} {cumulative:g}")
+                            lines.append(f"{full}_bucket{bucket_labels} {_number(cumulative)}")
+                        lines.append(f"{full}_sum{_braces(labels)} {_number(value[-2])}")
+                        lines.append(f"{full}_count{_braces(labels)} {_number(cumulative)}")
                     else:
-                        lines.append(f"{full}{_braces(labels)} {value:g}")
+                        lines.append(f"{full}{_braces(labels)} {_number(value)}")
         return "\n".join(lines) + "\n"
+
+
+def _number(value: float) -> str:
+    """Exact: `%g` would round a byte counter to six digits, and its rate would read 0 between steps."""
+    if not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("+Inf" if value > 0 else "-Inf")
+    if value == int(value) and abs(value) < 2**53:
+        return str(int(value))
+    return repr(float(value))
 
 
 def _braces(labels: list[str]) -> str:

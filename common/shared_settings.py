@@ -48,6 +48,35 @@ def shard_spec(value: str) -> str | None:
     return None
 
 
+def metrics_bind(value: str) -> str | None:
+    """`HOST:PORT` for the Prometheus endpoint (common/metrics_http.py), or empty."""
+    if not value:
+        return None
+    from common.metrics_http import parse_bind  # prometheus_client only when asked for
+
+    try:
+        parse_bind(value)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def metrics_setting(port: int) -> Any:
+    return setting(
+        "",
+        f"serve Prometheus metrics at http://HOST:PORT/metrics, e.g. 0.0.0.0:{port} (empty: off)",
+        check=metrics_bind,
+    )
+
+
+def log_format_setting() -> Any:
+    return setting(
+        "text",
+        "log lines as text, or as one JSON object per line (for log shippers)",
+        choices=("text", "json"),
+    )
+
+
 def task_setting() -> Any:
     return setting(
         "common.tasks.digits:task", "user task as module:function (model, data, loss)", check=task_spec

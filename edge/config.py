@@ -9,7 +9,9 @@ from common.shared_settings import (
     compression_setting,
     faults_spec,
     insecure_setting,
+    log_format_setting,
     log_level_setting,
+    metrics_setting,
     shard_spec,
     task_setting,
     tcp_endpoint,
@@ -42,6 +44,22 @@ class EdgeTrain:
 
 
 @dataclass(frozen=True)
+class EdgeThermal:
+    pause_above_c: float = setting(
+        0.0,
+        "pause local training while any thermal zone is at or above this many °C (0: off; Jetson "
+        "Orin throttles its clocks near 99 °C)",
+        min=0.0,
+        max=150.0,
+    )
+    resume_below_c: float = setting(
+        0.0, "resume once every zone is below this (0: pause_above_c - 5)", min=0.0
+    )
+    zones: str = setting("/sys/class/thermal/thermal_zone*/temp", "thermal zone files to read (a glob)")
+    poll_s: float = setting(1.0, "read the zones at most this often", min=0.05)
+
+
+@dataclass(frozen=True)
 class EdgeConfig:
     gateway: str = setting("tcp://127.0.0.1:7878", "gateway endpoint to push to", check=tcp_endpoint)
     client_id: str = setting("", "name of this device in logs and metrics (default: host name)")
@@ -67,5 +85,8 @@ class EdgeConfig:
         10.0, "save the cache this often when it changed (what a power cut can lose)", min=0.1
     )
     log_level: str = log_level_setting()
+    log_format: str = log_format_setting()
+    metrics_bind: str = metrics_setting(9401)
     train: EdgeTrain = section(EdgeTrain, "local training")
     security: EdgeSecurity = section(EdgeSecurity, "CURVE keys")
+    thermal: EdgeThermal = section(EdgeThermal, "pause training when the device runs hot")

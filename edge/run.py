@@ -5,6 +5,11 @@ summary as the last line: steps, step-gradients produced and delivered per
 layer, what is still undelivered, link and sync counters.  SIGTERM or SIGINT
 ends training early; cached gradients are then delivered for up to `--drain-s`
 seconds before the agent exits.
+
+With `--metrics-bind` the agent serves Prometheus metrics (sync latency per
+layer, strong/weak syncs, retransmissions, staleness, bytes, cache, thermal
+pauses); with `--thermal-pause-above-c` it pauses local training while the
+device is hot, and its link keeps delivering what is cached meanwhile.
 """
 
 from __future__ import annotations
@@ -25,10 +30,13 @@ from torch.utils.data import DataLoader
 from common.checkpoint import CheckpointError
 from common.keys import KeyFileError, KeyPair, read_key_file
 from common.link import Faults
+from common.logs import configure_logging
+from common.metrics_http import ExtraGauge, MetricsServer, serve_metrics
 from common.task import TaskError, load_task, shard
 from edge.agent import ElasticEdge
 from edge.config import EdgeConfig
 from edge.session import EdgeRefused, SessionOptions
+from edge.thermal import NoThermalZones, ThermalGuard
 
 log = logging.getLogger("elasticfed.edge")
 
@@ -89,8 +97,45 @@ def _by_layer(rows: dict[str, Any]) -> dict[str, Any]:
     return {key.partition("=")[2]: value for key, value in rows.items()}
 
 
+def thermal_guard(config: EdgeConfig) -> ThermalGuard | None:
+    """The `[thermal]` table's guard, or None when it is off; raises ValueError/NoThermalZones."""
+    t = config.thermal
+    if not t.pause_above_c:
+        return None
+    resume = t.resume_below_c or t.pause_above_c - 5.0
+    return ThermalGuard(t.pause_above_c, resume, zones=t.zones, poll_s=t.poll_s)
+
+
+def thermal_gauges(guard: ThermalGuard | None) -> list[ExtraGauge]:
+    if guard is None:
+        return []
+
+    def hottest() -> float | None:
+        found = guard.hottest()
+        return found[1] if found is not None else None
+
+    return [
+        ("edge_thermal_hottest_celsius", "temperature of the hottest thermal zone", hottest),
+        (
+            "edge_thermal_paused",
+            "1 while local training is paused because the device is hot",
+            lambda: float(guard.hot()),
+        ),
+        (
+            "edge_thermal_pauses",
+            "times training paused for heat since start",
+            lambda: float(guard.pauses_total),
+        ),
+        (
+            "edge_thermal_paused_seconds",
+            "seconds training spent paused for heat",
+            lambda: guard.paused_s_total,
+        ),
+    ]
+
+
 def run(args: argparse.Namespace, config: EdgeConfig) -> int:
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    configure_logging(config.log_level, config.log_format, role="edge")
     try:
         curve = load_curve(config)
     except KeyFileError as exc:
@@ -112,6 +157,11 @@ def run(args: argparse.Namespace, config: EdgeConfig) -> int:
         task = load_task(config.task)
     except TaskError as exc:
         print(f"elasticfed edge: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        guard = thermal_guard(config)
+    except (ValueError, NoThermalZones) as exc:
+        print(f"elasticfed edge: error: --thermal-*: {exc}", file=sys.stderr)
         return 2
     torch.manual_seed(config.train.seed)
     model = task.build_model()
@@ -135,6 +185,35 @@ def run(args: argparse.Namespace, config: EdgeConfig) -> int:
     except (OSError, CheckpointError) as exc:
         print(f"elasticfed edge: error: --state-dir {config.state_dir}: {exc}", file=sys.stderr)
         return 2
+    metrics: MetricsServer | None = None
+    if config.metrics_bind:
+        try:
+            metrics = serve_metrics(
+                config.metrics_bind,
+                agent.session.metrics.registry,
+                extra=thermal_gauges(guard),
+                process_metrics=True,
+            )
+        except OSError as exc:
+            agent.close(drain_s=0)
+            print(f"elasticfed edge: error: --metrics-bind {config.metrics_bind}: {exc}", file=sys.stderr)
+            return 2
+    try:
+        return _train(config, client_id, task, loader, agent, guard, metrics)
+    finally:
+        if metrics is not None:
+            metrics.close()
+
+
+def _train(
+    config: EdgeConfig,
+    client_id: str,
+    task: Any,
+    loader: DataLoader,
+    agent: ElasticEdge,
+    guard: ThermalGuard | None,
+    metrics: MetricsServer | None,
+) -> int:
     state = agent.session.state
     begin = agent.status()
     _emit(
@@ -146,6 +225,7 @@ def run(args: argparse.Namespace, config: EdgeConfig) -> int:
         durable_steps=begin["durable_by_layer"],
         undelivered_steps=begin["undelivered_steps"],
         held_steps=begin["held_steps"],
+        metrics_url=metrics.url if metrics is not None else None,
     )
     optimizer = torch.optim.SGD(agent.parameters(), lr=config.train.lr or task.lr, momentum=task.momentum)
     stop = threading.Event()
@@ -162,6 +242,11 @@ def run(args: argparse.Namespace, config: EdgeConfig) -> int:
     try:
         for _ in range(config.train.epochs):
             for x, y in loader:
+                if guard is not None and guard.hot():
+                    paused = guard.wait_until_cool(stop)
+                    log.info("thermal: training paused %.1f s while the device was hot", paused)
+                    if stop.is_set():
+                        break
                 loss = task.loss(agent(x), y)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
