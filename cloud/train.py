@@ -42,6 +42,7 @@ from common.checkpoint import (
     read_tensors,
 )
 from common.logs import configure_logging
+from common.progress import ProgressBar
 from common.task import Task, TaskError, load_task
 
 log = logging.getLogger("elasticfed.cloud")
@@ -218,6 +219,8 @@ def train(
     last_loss = float("nan")
     stopped = False
     epoch = first_epoch
+    # Rank 0 draws it, at a terminal only (common/progress.py).
+    bar = ProgressBar(planned_steps, "cloud", enabled=None if rank == 0 else False)
     # Planned epochs; in hybrid mode more (at the last learning rate) until `mixing` says stop.
     while epoch < settings.epochs or (mixing is not None and not stopped):
         sampler.set_epoch(epoch)
@@ -240,6 +243,7 @@ def train(
             total += loss.item()
             count += 1
             steps += 1
+            bar.update(steps, epoch=epoch + 1, loss=total / count)
             if mixing is not None:
                 mixing.end_step(planned_done=steps >= planned_steps)
         last_loss = total / max(count, 1) if count else last_loss
@@ -249,6 +253,7 @@ def train(
         score = torch.tensor([task.evaluate(model.module, test_set) if rank == 0 else 0.0], device=device)
         dist.broadcast(score, src=0)
         accuracy = float(score.item())
+        bar.close()
         if rank == 0:
             log.info(
                 "epoch %d/%d%s  loss %.4f  test accuracy %.2f%%  sync %.1f KiB/step on the wire",

@@ -32,6 +32,7 @@ from common.keys import KeyFileError, KeyPair, read_key_file
 from common.link import Faults
 from common.logs import configure_logging
 from common.metrics_http import ExtraGauge, MetricsServer, serve_metrics
+from common.progress import ProgressBar
 from common.task import TaskError, load_task, shard
 from edge.agent import ElasticEdge
 from edge.config import EdgeConfig
@@ -239,6 +240,7 @@ def _train(
     started = time.monotonic()
     last_status = started - config.status_every_s  # the first status right after the first step
     loss = torch.tensor(0.0)
+    bar = ProgressBar(config.train.max_steps or config.train.epochs * len(loader), "edge")
     try:
         for _ in range(config.train.epochs):
             for x, y in loader:
@@ -251,6 +253,7 @@ def _train(
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
+                bar.update(agent.steps, loss=float(loss.detach()), version=agent.version)
                 now = time.monotonic()
                 if (
                     stop.is_set()
@@ -283,6 +286,7 @@ def _train(
         print(f"elasticfed edge: {exc}", file=sys.stderr)
         agent.close()
         return EXIT_REFUSED
+    bar.close()
     trained = time.monotonic() - started
     delivered_all = agent.close(drain_s=config.drain_s)
     status = agent.status()
