@@ -137,6 +137,13 @@ class HybridSettings:
         2.0, "after the last epoch, go on while an edge was heard from within this long", min=0.0
     )
     drain_s: float = setting(30.0, "but at most this long after the last epoch", min=0.0)
+    nproc_per_node: int = setting(
+        0,
+        "started without torchrun: start this many workers on this machine under torchrun --standalone "
+        "(0: train alone)",
+        min=0,
+        max=1024,
+    )
     wait_for_edges: int = setting(
         0,
         "before the first step, wait until this many edges said hello (Flower's min_available_clients)",

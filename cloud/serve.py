@@ -316,8 +316,25 @@ def gather_digests(digest: str, device: torch.device) -> list[str]:
     return [bytes(t.cpu().tolist()).hex() for t in every]
 
 
+def torchrun_argv(argv: list[str], nproc: int) -> list[str]:
+    """The command that runs this same `cloud serve` under torchrun, `nproc` workers on this machine."""
+    if "serve" not in argv[1:]:
+        raise ValueError(f"cannot find the serve command in {argv!r}")
+    flags = argv[argv.index("serve", 1) + 1 :]
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        "-m", "cloud", "serve", *flags,
+    ]  # fmt: skip
+
+
 def run_hybrid(config: CloudConfig) -> int:
     """Every rank trains on cloud data; rank 0 also serves edges, whose rounds enter the steps."""
+    if "RANK" not in os.environ and config.hybrid.nproc_per_node > 1:
+        # Become torchrun: signals reach it, and it supervises the workers (which find RANK set).
+        argv = torchrun_argv(sys.argv, config.hybrid.nproc_per_node)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(sys.executable, argv)
     rank_name = os.environ.get("RANK", "0")
     configure_logging(
         config.log_level,

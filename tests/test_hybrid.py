@@ -103,3 +103,19 @@ def test_a_mixing_step_is_the_weighted_sum_on_every_rank(weight: float, tmp_path
         assert max(res["errors"]) < 1e-5, (rank, res["errors"])
     assert results[0]["digest"] == results[1]["digest"]
     assert results[0]["rounds"] == 1 and results[0]["steps_by_layer"] == [7] * len(results[0]["digest"])
+
+
+@pytest.mark.slow
+def test_started_without_torchrun_it_starts_torchrun_itself(procs: list[Proc]) -> None:
+    argv = [
+        sys.executable, "-m", "common.cli", "cloud", "serve", "--mode", "hybrid", "--insecure",
+        "--log-level", "warning", "--gateway-bind", f"tcp://127.0.0.1:{free_port()}",
+        "--gateway-checkpoint-dir", "", "--train-backend", "gloo", "--train-epochs", "2",
+        "--hybrid-nproc-per-node", "2", "--sync-check-every", "1",
+    ]  # fmt: skip
+    job = Proc(argv, "cloud serve")
+    procs.append(job)
+    summary = job.summary(120)
+    assert summary["world_size"] == 2 and summary["epochs"] == 2
+    assert len(set(summary["model_sha256_by_rank"])) == 1
+    assert summary["edge_rounds_mixed"] == 0 and summary["clients"] == []
