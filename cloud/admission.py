@@ -94,6 +94,10 @@ class CurveAdmission:
         sock.curve_publickey = self.keys.public
         sock.curve_secretkey = self.keys.secret
         sock.zap_domain = ZAP_DOMAIN.encode()
+        # Without it, libzmq lets a CURVE handshake through unauthenticated whenever no ZAP handler
+        # answers (RFC 27's old default); with it, such a handshake fails instead (libzmq >= 4.3).
+        if hasattr(zmq, "ZAP_ENFORCE_DOMAIN"):
+            sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
 
     def identity(self, frame: Any) -> str | None:
         """The enrolled name of the key behind a received frame; None if none (or revoked since)."""
