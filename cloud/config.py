@@ -131,7 +131,10 @@ class TrainSettings:
 @dataclass(frozen=True)
 class HybridSettings:
     publish_every_s: float = setting(
-        1.0, "serve edges the cloud model at least this often (and after every mixed round)", min=0.01
+        5.0,
+        "serve edges the cloud model at least this often, and after every mixed round (each is a new "
+        "version edges download)",
+        min=0.01,
     )
     idle_s: float = setting(
         2.0, "after the last epoch, go on while an edge was heard from within this long", min=0.0

@@ -306,7 +306,7 @@ class GatewayMetrics:
         self.round_seconds = m.histogram(
             "gateway_round_seconds", "from a round's first contribution to its close", [], LATENCY_BUCKETS_S
         )
-        self.version = m.gauge("gateway_model_version", "current model version")
+        self.version = m.gauge("gateway_model_version", "version of the model served to edges")
         self.clients = m.gauge("gateway_clients", "clients that said hello")
 
 
@@ -538,7 +538,7 @@ class Gateway:
                 Heartbeat(
                     nonce=msg.nonce,
                     reply=True,
-                    model_version=self.version,
+                    model_version=self.served_version,
                     verdicts=state.pending(VERDICTS_PER_ANSWER),
                     durable_epoch=self.durable_epoch,
                     gateway_id=self.gateway_id,
@@ -604,7 +604,7 @@ class Gateway:
             Welcome(
                 gateway_id=self.gateway_id,
                 manifest_digest=self.manifest.digest,
-                model_version=self.version,
+                model_version=self.served_version,
                 durable=tuple(durable),
                 next_seq=max(state.floor, max(state.verdicts, default=-1) + 1),
                 settings={
@@ -653,7 +653,7 @@ class Gateway:
                 route, msg.seq, False, Reason.WINDOW, f"seq {msg.seq} is beyond the window from {state.floor}"
             )
             return
-        staleness = max(0, self.version - msg.base_version)
+        staleness = max(0, self.served_version - msg.base_version)
         self.metrics.staleness.observe(cid, value=staleness)
         if not self.weighting.admit(staleness):
             for layer in msg.layers:
@@ -752,14 +752,15 @@ class Gateway:
             acc.reset()
         updated = sum(avg is not None for avg in averages)
         if updated:
-            self.update.apply(rnd.number, averages, rnd.layer_steps)
+            # A layer whose average was dropped brought no step-gradient into the model.
+            steps = [n if avg is not None else 0 for n, avg in zip(rnd.layer_steps, averages)]
+            self.update.apply(rnd.number, averages, steps)
         self.version += 1
         if self.update.publishes:
             self.publish(self.version)
         self.metrics.rounds.inc()
         if rnd.opened_at is not None:
             self.metrics.round_seconds.observe(value=now - rnd.opened_at)
-        self.metrics.version.set(value=self.version)
         summary = RoundSummary(
             number=rnd.number,
             version=self.version,
@@ -813,6 +814,14 @@ class Gateway:
         self.metrics.version.set(value=version)
         self.metrics.clients.set(value=len(clients))
 
+    @property
+    def served_version(self) -> int:
+        """The version of the model edges download now: what acks announce and staleness counts from.
+
+        Standalone, the round count; in hybrid mode, the trainer's publishes (cloud/hybrid.py).
+        """
+        return self._published[0]
+
     def snapshot(self) -> dict[str, torch.Tensor]:
         """The parameters served to edges now; never modified afterwards (safe from any thread)."""
         return self._published[1]
@@ -824,6 +833,7 @@ class Gateway:
         standalone mode, the cloud trainer on rank 0 in hybrid mode (cloud/hybrid.py).
         """
         self._published = (version, self._take_snapshot())
+        self.metrics.version.set(value=version)
 
     def _take_snapshot(self) -> dict[str, torch.Tensor]:
         # Immutable per version: model answers are sent zero-copy while the optimizer moves on.
@@ -857,7 +867,7 @@ class Gateway:
                 credit=self.options.credit,
                 code=code_text,
                 detail=detail,
-                model_version=self.version,
+                model_version=self.served_version,
                 attempt=attempt,
                 verdicts=tuple(v for v in verdicts if v[0] != seq),
                 epoch=epoch if accepted else 0,

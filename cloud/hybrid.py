@@ -15,10 +15,10 @@ Follow one edge round from the gateway to every cloud rank:
    weight).  The layer-wise all-reduce averages over the ranks, so every rank
    ends with `(1 - w) * cloud mean + w * edge average`: the same bits on every
    rank, with neither the model nor the average broadcast.
-4. Rank 0 publishes the model to the gateway (the snapshot edges download) after
-   each mixed round and at least every `publish_every_s`.  The version edges see
-   is the number of rounds mixed in; staleness is counted in rounds, as in
-   standalone mode.
+4. Rank 0 publishes the model to the gateway (the snapshot edges download)
+   before the first step, after each mixed round and at least every
+   `publish_every_s`.  Each publish is a new version: the gateway announces it,
+   edges download it, and staleness counts publishes behind.
 
 At the end of the planned epochs the job goes on training (at the schedule's
 last learning rate) while edges are still there: until the gateway has heard
@@ -164,7 +164,9 @@ class EdgeMixing:
         self._mixing: EdgeRound | None = None
         self._mix = False
         self._last_publish = time.monotonic()
-        self._version = gateway.version if gateway is not None else 0
+        self._version = gateway.served_version if gateway is not None else 0
+        self._published_once = False
+        self.gateway_failed = False  # rank 0: the gateway's thread died under the job
         self._done_at: float | None = None  # when the planned epochs ended
         self._gateway_stopped = False
         self._send(mix=False, stop=False)
@@ -177,6 +179,8 @@ class EdgeMixing:
         mix, stop = (bool(v) for v in self._control.tolist())
         if stop:
             return None
+        if self.rank == 0 and not self._published_once:
+            self._publish(time.monotonic())  # the model as training starts (resumed, maybe)
         self._mix = mix
         self._mixing, self._next = self._next, None
         return 1.0 - self.weight if mix else 1.0
@@ -213,8 +217,6 @@ class EdgeMixing:
                 self.counts.steps_by_layer[i] += n
                 if n:
                     self.metrics.steps.inc(self._names[i], by=n)
-            # The gateway numbers versions by rounds closed: this model holds rounds up to this one.
-            self._version = self._mixing.numbers[-1]
             self._publish(now)
             self._mixing = None
         elif now - self._last_publish >= self.publish_every_s:
@@ -242,6 +244,10 @@ class EdgeMixing:
     def _should_stop_gateway(self, now: float) -> bool:
         if self.stop_requested.is_set():
             return True
+        if self.gateway_thread is not None and not self.gateway_thread.is_alive():
+            log.error("the gateway thread is gone (see its error above): stopping the job")
+            self.gateway_failed = True
+            return True
         if self._done_at is None:
             return False
         if now - self._done_at >= self.drain_s:
@@ -266,7 +272,9 @@ class EdgeMixing:
 
     def _publish(self, now: float) -> None:
         assert self.gateway is not None
+        self._version += 1
         self.gateway.publish(self._version)
+        self._published_once = True
         self._last_publish = now
 
     def _send(self, mix: bool, stop: bool) -> None:

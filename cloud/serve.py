@@ -58,6 +58,8 @@ from common.task import Task, TaskError, load_task, shard
 
 log = logging.getLogger("elasticfed.gateway")
 
+EXIT_GATEWAY_FAILED = 1
+
 
 def load_admission(config: CloudConfig) -> CurveAdmission | None:
     """CURVE from the `[security]` table, or None with --insecure; raises KeyFileError naming the file."""
@@ -300,9 +302,8 @@ def wait_for_edges(gateway: Gateway, count: int, wait_s: float) -> bool:
     log.info("waiting up to %.0f s for %d edge(s) to say hello", wait_s, count)
     while sum(1 for c in list(gateway.clients.values()) if c.welcomed) < count:
         if time.monotonic() >= deadline:
-            log.warning(
-                "only %d of %d edges after %.0f s: training anyway", len(gateway.clients), count, wait_s
-            )
+            welcomed = sum(1 for c in list(gateway.clients.values()) if c.welcomed)
+            log.warning("only %d of %d edges after %.0f s: training anyway", welcomed, count, wait_s)
             return False
         time.sleep(0.05)
     return True
@@ -325,6 +326,15 @@ def torchrun_argv(argv: list[str], nproc: int) -> list[str]:
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
         "-m", "cloud", "serve", *flags,
     ]  # fmt: skip
+
+
+def _serve_edges(gateway: Gateway, stop: threading.Event) -> None:
+    """The gateway thread of rank 0; its death is logged here and stops the job (EdgeMixing)."""
+    try:
+        gateway.serve(stop)
+    except BaseException:
+        log.exception("the gateway thread failed")
+        raise
 
 
 def run_hybrid(config: CloudConfig) -> int:
@@ -390,7 +400,9 @@ def run_hybrid(config: CloudConfig) -> int:
             dist.destroy_process_group()
             return 2
         # The socket moves to the serving thread; starting a thread is a full memory barrier.
-        thread = threading.Thread(target=gateway.serve, args=(stop_gateway,), name="gateway", daemon=True)
+        thread = threading.Thread(
+            target=_serve_edges, args=(gateway, stop_gateway), name="gateway", daemon=True
+        )
         thread.start()
         ready = {
             "event": "ready",
@@ -429,6 +441,7 @@ def run_hybrid(config: CloudConfig) -> int:
                 f"elasticfed cloud serve: error: --metrics-bind {config.metrics_bind}: {exc}", file=sys.stderr
             )
             stop_gateway.set()
+            dist.destroy_process_group()
             return 2
         if metrics is not None:
             print(json.dumps({"event": "metrics", "metrics_url": metrics.url}), flush=True)
@@ -444,9 +457,17 @@ def run_hybrid(config: CloudConfig) -> int:
         print(f"elasticfed cloud serve: error: --train-checkpoint-dir: {exc}", file=sys.stderr)
         stop_gateway.set()
         return 2
+    except TaskError as exc:
+        print(f"elasticfed cloud serve: error: {exc}", file=sys.stderr)
+        stop_gateway.set()
+        return 2
     finally:
         if metrics is not None:
             metrics.close()
+    if mixing.gateway_failed:
+        print("elasticfed cloud serve: error: the gateway thread failed (logged above)", file=sys.stderr)
+        dist.destroy_process_group()
+        return EXIT_GATEWAY_FAILED
     digests = gather_digests(parameters_digest(module), device)
     if gateway is not None:
         counts = mixing.counts

@@ -199,6 +199,11 @@ def train(
     data = task.train_set() if data is None else data
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=settings.seed)
     loader = DataLoader(data, batch_size=batch_size, sampler=sampler, drop_last=True)
+    if len(loader) == 0:
+        raise TaskError(
+            f"task {task.name}: this rank's part of the data ({len(sampler)} examples) is smaller than one "
+            f"batch ({batch_size}): lower --train-batch-size or use fewer ranks or a larger --train-shard"
+        )
     optimizer = torch.optim.SGD(module.parameters(), lr=lr, momentum=task.momentum)
     # Cosine decay over the run: the last epochs settle instead of bouncing.  To zero for the cloud
     # alone; to 5% in hybrid mode, where edge rounds still arrive at the end and must move the model.
@@ -340,6 +345,9 @@ def run(args: argparse.Namespace, config: CloudConfig) -> int:
         return EXIT_SYNC_FAILED
     except CheckpointError as exc:
         print(f"elasticfed cloud train: error: --train-checkpoint-dir: {exc}", file=sys.stderr)
+        return 2
+    except TaskError as exc:
+        print(f"elasticfed cloud train: error: {exc}", file=sys.stderr)
         return 2
     if dist.get_rank() == 0:
         log.info(

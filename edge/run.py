@@ -108,31 +108,22 @@ def thermal_guard(config: EdgeConfig) -> ThermalGuard | None:
 
 
 def thermal_gauges(guard: ThermalGuard | None) -> list[ExtraGauge]:
+    """Scrape-time gauges that read the guard's last decision (a scrape never re-reads sensors)."""
     if guard is None:
         return []
 
     def hottest() -> float | None:
-        found = guard.hottest()
+        found = guard.state()[1]
         return found[1] if found is not None else None
 
     return [
         ("edge_thermal_hottest_celsius", "temperature of the hottest thermal zone", hottest),
-        (
-            "edge_thermal_paused",
-            "1 while local training is paused because the device is hot",
-            lambda: float(guard.hot()),
-        ),
-        (
-            "edge_thermal_pauses",
-            "times training paused for heat since start",
-            lambda: float(guard.pauses_total),
-        ),
-        (
-            "edge_thermal_paused_seconds",
-            "seconds training spent paused for heat",
-            lambda: guard.paused_s_total,
-        ),
-    ]
+        ("edge_thermal_paused", "1 while local training is paused because the device is hot",
+         lambda: float(guard.state()[0])),
+        ("edge_thermal_pauses", "times training paused for heat", lambda: float(guard.pauses_total)),
+        ("edge_thermal_paused_seconds", "seconds training spent paused for heat, the current pause included",
+         lambda: guard.state()[2]),
+    ]  # fmt: skip
 
 
 def run(args: argparse.Namespace, config: EdgeConfig) -> int:

@@ -121,6 +121,7 @@ class ThermalGuard:
         self._read_at: float | None = None
         self._blind = False
         self.pauses_total = 0
+        self._paused_since: float | None = None  # inside wait_until_cool since then
         self.paused_s_total = 0.0
         self.reads_total = 0
         self._refresh(force=True)
@@ -145,6 +146,16 @@ class ThermalGuard:
         self._refresh()
         return self._hottest
 
+    def state(self) -> tuple[bool, tuple[str, float] | None, float]:
+        """(paused?, hottest zone, seconds paused so far, the current pause included) as last read.
+
+        Never reads the sensors: for metrics scrapes from another thread, which must not
+        change the decision the training loop acts on.
+        """
+        with self._lock:
+            ongoing = self.clock() - self._paused_since if self._paused_since is not None else 0.0
+            return self._hot, self._hottest, self.paused_s_total + max(0.0, ongoing)
+
     def wait_until_cool(self, stop: threading.Event, max_wait_s: float | None = None) -> float:
         """Block while hot, re-reading every `poll_s`; return the seconds paused.
 
@@ -155,6 +166,8 @@ class ThermalGuard:
         start = self.clock()
         if not self.hot():
             return 0.0
+        with self._lock:
+            self._paused_since = start
         deadline = None if max_wait_s is None else start + max_wait_s
         while True:
             timeout = self.poll_s
@@ -168,6 +181,7 @@ class ThermalGuard:
         paused = max(0.0, self.clock() - start)
         with self._lock:
             self.paused_s_total += paused
+            self._paused_since = None
         return paused
 
     def _refresh(self, force: bool = False) -> None:

@@ -267,7 +267,7 @@ def test_a_reply_that_cannot_be_delivered_is_counted_not_lost_silently(gateway: 
 def test_a_duplicate_of_a_stale_push_gets_the_same_verdict_and_is_counted_once(gateway: Gateway) -> None:
     peer = Peer(gateway, "a")
     peer.hello(gateway.manifest)
-    gateway.version = 5  # max_staleness is 1
+    gateway.publish(5)  # the served model is 5 versions ahead; max_staleness is 1
     first = peer.push(1, grads_for(gateway, 1.0), count=2, base=0)
     again = peer.push(1, grads_for(gateway, 1.0), count=2, base=0)
     assert (first.accepted, first.code) == (again.accepted, again.code) == (False, Reason.STALE.value)

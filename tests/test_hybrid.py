@@ -20,6 +20,7 @@ from pathlib import Path
 
 import dist_cases
 import pytest
+import torch
 from distributed import run_ranks
 
 from tests.fleet import Proc, audit, edge, free_port
@@ -119,3 +120,56 @@ def test_started_without_torchrun_it_starts_torchrun_itself(procs: list[Proc]) -
     assert summary["world_size"] == 2 and summary["epochs"] == 2
     assert len(set(summary["model_sha256_by_rank"])) == 1
     assert summary["edge_rounds_mixed"] == 0 and summary["clients"] == []
+
+
+def test_hybrid_gateway_announces_and_judges_by_the_model_it_serves() -> None:
+    """Rounds waiting for the trainer do not make an edge stale: it cannot download them yet."""
+    from cloud.aggregation import DeadlineQuorum, SuccessWeighted
+    from cloud.gateway import Gateway, GatewayOptions
+    from cloud.hybrid import EdgeRounds
+    from tests.test_gateway import Peer, grads_for, make_model
+
+    rounds = EdgeRounds(max_queued=2)
+    gw = Gateway(
+        make_model(),
+        None,
+        GatewayOptions(bind="tcp://127.0.0.1:0"),
+        weighting=SuccessWeighted(max_staleness=1),
+        rounds=DeadlineQuorum(deadline_s=60.0, quorum=1),
+        update=rounds,
+    )
+    gw.bind()
+    try:
+        peer = Peer(gw, "a")
+        peer.hello(gw.manifest)
+        for seq in range(1, 7):  # each push closes a round (quorum 1); nobody takes them
+            ack = peer.push(seq, grads_for(gw, 1.0), base=0)
+            assert ack.accepted and ack.model_version == 0, (seq, ack)
+        assert gw.version == 6 and gw.served_version == 0
+        assert len(rounds) == 2 and rounds.merged == 4  # bounded: later rounds were added in
+        first, merged = rounds.take(), rounds.take()
+        assert first is not None and first.numbers == [1] and first.layer_steps == [1] * len(gw.names)
+        assert merged is not None and merged.numbers == [2, 3, 4, 5, 6]
+        assert merged.layer_steps == [5] * len(gw.names)
+        assert torch.equal(merged.averages[0], torch.full_like(merged.averages[0], 5.0))
+        gw.publish(1)  # the trainer mixed them in and serves the result
+        ack = peer.push(7, grads_for(gw, 1.0), base=0)
+        assert ack.accepted and ack.model_version == 1  # one version behind: still admitted
+        gw.publish(2)
+        ack = peer.push(8, grads_for(gw, 1.0), base=0)
+        assert not ack.accepted and ack.code == "stale" and ack.model_version == 2
+    finally:
+        gw.close()
+
+
+def test_a_cloud_part_smaller_than_a_batch_is_refused_at_start(procs: list[Proc]) -> None:
+    argv = [
+        sys.executable, "-m", "cloud", "serve", "--mode", "hybrid", "--insecure", "--log-level", "warning",
+        "--gateway-bind", f"tcp://127.0.0.1:{free_port()}", "--gateway-checkpoint-dir", "",
+        "--train-backend", "gloo", "--train-shard", "0/2", "--train-batch-size", "4096",
+    ]  # fmt: skip
+    job = Proc(argv, "cloud serve")
+    procs.append(job)
+    assert job.proc.wait(60) == 2
+    job._threads[1].join(5)
+    assert "smaller than one batch (4096)" in "".join(job.stderr), job.stderr
