@@ -47,7 +47,13 @@ from cloud.durability import GatewayCheckpoints
 from cloud.gateway import Gateway, GatewayOptions, ModelUpdate, RoundSummary
 from cloud.hybrid import EdgeMixing, EdgeRounds
 from cloud.layerwise import DivergenceError
-from cloud.train import EXIT_SYNC_FAILED, _init_from_environment, pick_backend, train
+from cloud.train import (
+    EXIT_SYNC_FAILED,
+    configure_worker_logging,
+    join_process_group,
+    pick_backend,
+    train,
+)
 from common.checkpoint import CheckpointError
 from common.hooks import trainable_parameters
 from common.keys import KeyFileError
@@ -345,13 +351,8 @@ def run_hybrid(config: CloudConfig) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os.execv(sys.executable, argv)
+    configure_worker_logging(config)
     rank_name = os.environ.get("RANK", "0")
-    configure_logging(
-        config.log_level,
-        config.log_format,
-        text_prefix=f"rank{rank_name} %(levelname)s ",
-        rank=int(rank_name),
-    )
     try:
         task = load_task(config.task)
         backend = pick_backend(config.train.backend)
@@ -371,7 +372,7 @@ def run_hybrid(config: CloudConfig) -> int:
                 "standalone mode); the cloud model is checkpointed with --train-checkpoint-dir, and "
                 "edges are not told anything is durable"
             )
-    device, launched = _init_from_environment(backend, config.sync.timeout_s)
+    device, launched = join_process_group(backend, config.sync.timeout_s)
     if not launched:
         log.warning(
             "not started by torchrun: one cloud worker plus the gateway; use "

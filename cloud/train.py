@@ -286,7 +286,34 @@ def train(
     )
 
 
-def _init_from_environment(backend: str, timeout_s: float) -> tuple[torch.device, bool]:
+def _attempt_store(timeout: datetime.timedelta) -> dict[str, Any]:
+    """Under torchrun, the rendezvous store seen through a prefix of this restart attempt.
+
+    torchrun's agent keeps one store across restarts, and a restarted worker could
+    read the previous attempt's gloo addresses before the new rank 0 overwrote them:
+    it then retries a dead port until the timeout ("connectFullMesh ... Connection
+    refused", seen in CI).  With a prefix per attempt, only this attempt's keys exist.
+    """
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ or "MASTER_ADDR" not in os.environ:
+        return {}  # not torchrun's elastic agent: the default env:// rendezvous
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=not agent_hosts_store and rank == 0,
+        timeout=timeout,
+    )
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    return {
+        "store": dist.PrefixStore(f"elasticfed/attempt-{attempt}/", store),
+        "rank": rank,
+        "world_size": world,
+    }
+
+
+def join_process_group(backend: str, timeout_s: float) -> tuple[torch.device, bool]:
     """Join torchrun's process group, or make a one-rank group when started alone."""
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -295,13 +322,14 @@ def _init_from_environment(backend: str, timeout_s: float) -> tuple[torch.device
         device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        group = {"timeout": timeout, **_attempt_store(timeout)}
         if device.type == "cuda":
             try:  # binding the device up front lets NCCL connect eagerly (torch >= 2.3)
-                dist.init_process_group(backend, timeout=timeout, device_id=device)
+                dist.init_process_group(backend, device_id=device, **group)
             except TypeError:
-                dist.init_process_group(backend, timeout=timeout)
+                dist.init_process_group(backend, **group)
         else:
-            dist.init_process_group(backend, timeout=timeout)
+            dist.init_process_group(backend, **group)
         return device, True
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -313,15 +341,17 @@ def _init_from_environment(backend: str, timeout_s: float) -> tuple[torch.device
     return device, False
 
 
+def configure_worker_logging(config: CloudConfig) -> None:
+    """Logs of a torchrun worker: every line says which rank (text) or carries it (JSON)."""
+    rank = os.environ.get("RANK", "0")
+    configure_logging(
+        config.log_level, config.log_format, text_prefix=f"rank{rank} %(levelname)s ", rank=int(rank)
+    )
+
+
 def run(args: argparse.Namespace, config: CloudConfig) -> int:
     """CLI runner: exit 0 on success, 2 on a bad task, 3 when sync fails (naming the layer)."""
-    rank_name = os.environ.get("RANK", "0")
-    configure_logging(
-        config.log_level,
-        config.log_format,
-        text_prefix=f"rank{rank_name} %(levelname)s ",
-        rank=int(rank_name),
-    )
+    configure_worker_logging(config)
     try:
         task = load_task(config.task)
     except (TaskError, ImportError) as exc:
@@ -332,7 +362,7 @@ def run(args: argparse.Namespace, config: CloudConfig) -> int:
     except RuntimeError as exc:
         print(f"elasticfed cloud train: error: {exc}", file=sys.stderr)
         return 2
-    device, launched = _init_from_environment(backend, config.sync.timeout_s)
+    device, launched = join_process_group(backend, config.sync.timeout_s)
     if not launched:
         log.warning(
             "not started by torchrun: training alone (world size 1); "

@@ -35,6 +35,10 @@ def job(tmp: Path, marker: str, restarts: int = 0, checkpoints: Path | None = No
     cmd = [
         str(torchrun), "--standalone", "--nproc_per_node=2", f"--max-restarts={restarts}", "-m", "cloud",
         "--train-epochs", str(EPOCHS), "--train-backend", "gloo", "--log-level", "info",
+        # A restarted round whose gloo rendezvous fails (torch reuses the store; seen in CI as
+        # "connectFullMesh ... Connection refused") then fails in 30 s and torchrun tries again,
+        # instead of retrying the connection for the default 300 s.
+        "--sync-timeout-s", "30",
     ]  # fmt: skip
     if checkpoints is not None:
         cmd += ["--train-checkpoint-dir", str(checkpoints)]
