@@ -10,7 +10,8 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-from typing import Any
+import sys
+from typing import Any, TextIO
 
 
 class JsonFormatter(logging.Formatter):
@@ -35,15 +36,41 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line, default=str)
 
 
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever `sys.stderr` is at the time of the record, not at set-up.
+
+    A role run in-process (tests, notebooks) may outlive the stderr it started with.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property  # type: ignore[override]
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: TextIO) -> None:
+        pass
+
+
 def configure_logging(level: str, fmt: str = "text", text_prefix: str = "", **fields: Any) -> None:
-    """Root logger to stderr at `level`, as text (`text_prefix` after the time) or JSON lines."""
-    handler = logging.StreamHandler()
+    """Root logger to stderr at `level`, as text (`text_prefix` after the time) or JSON lines.
+
+    Replaces only the handler an earlier call installed; handlers others added stay.
+    """
+    handler = _StderrHandler()
     if fmt == "json":
         handler.setFormatter(JsonFormatter(fields))
     else:
         handler.setFormatter(logging.Formatter(f"%(asctime)s {text_prefix}%(name)s %(message)s"))
+    handler.set_name(_HANDLER_NAME)
     root = logging.getLogger()
     for old in list(root.handlers):
-        root.removeHandler(old)
+        if old.get_name() == _HANDLER_NAME:
+            root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
+
+
+_HANDLER_NAME = "elasticfed-stderr"
