@@ -133,7 +133,7 @@ class EdgeMixing:
         rounds: EdgeRounds | None = None,
         stop_gateway: threading.Event | None = None,
         gateway_thread: threading.Thread | None = None,
-        publish_every_s: float = 1.0,
+        publish_every_s: float = 5.0,
         idle_s: float = 2.0,
         drain_s: float = 30.0,
     ) -> None:

@@ -177,7 +177,8 @@ def gateway_summary(gateway: Gateway, admission: CurveAdmission | None) -> dict[
     status = gateway.status()
     return {
         "gateway_id": gateway.gateway_id,
-        "version": gateway.version,
+        "version": gateway.version,  # rounds closed
+        "served_version": gateway.served_version,  # the model edges download (hybrid: trainer publishes)
         "clients": status["clients"],
         "secure": status["secure"],
         "handshakes_refused": admission.handshakes_refused if admission is not None else 0,
@@ -306,9 +307,8 @@ def wait_for_edges(gateway: Gateway, count: int, wait_s: float) -> bool:
     """Poll (the gateway thread fills `clients`) until `count` edges said hello, or `wait_s` passed."""
     deadline = time.monotonic() + wait_s
     log.info("waiting up to %.0f s for %d edge(s) to say hello", wait_s, count)
-    while sum(1 for c in list(gateway.clients.values()) if c.welcomed) < count:
+    while (welcomed := sum(1 for c in list(gateway.clients.values()) if c.welcomed)) < count:
         if time.monotonic() >= deadline:
-            welcomed = sum(1 for c in list(gateway.clients.values()) if c.welcomed)
             log.warning("only %d of %d edges after %.0f s: training anyway", welcomed, count, wait_s)
             return False
         time.sleep(0.05)

@@ -490,3 +490,54 @@ def edge_mixing(rank: int, world: int, weight: float, steps: int = 4) -> dict[st
         "rounds": mixing.counts.rounds,
         "steps_by_layer": mixing.counts.steps_by_layer,
     }
+
+
+def edge_mixing_stops(rank: int, world: int, why: str) -> dict[str, Any]:
+    """Rank 0 stops the job mid-training (its SIGTERM, or its gateway thread died): every rank stops
+    at the same step, and the round queued before the stop is still mixed in."""
+    import threading
+
+    from cloud.gateway import Gateway
+    from cloud.hybrid import EdgeMixing, EdgeRounds
+    from common.hooks import trainable_parameters
+
+    torch.manual_seed(0)
+    module = MLP()
+    rounds = gateway = thread = None
+    if rank == 0:
+        rounds = EdgeRounds()
+        gateway = Gateway(module, None, update=rounds)
+        thread = threading.Thread(target=lambda: None)  # stands for the gateway's serving thread
+        thread.start()
+        if why == "sigterm":
+            thread.join()
+            thread = None
+    params = [p for _, p in trainable_parameters(module)]
+    model = LayerwiseDDP(module, pack_cap_bytes=0)
+    mixing = EdgeMixing(params, 0.5, gateway=gateway, rounds=rounds, gateway_thread=thread, idle_s=60.0)
+    if rounds is not None:
+        rounds.apply(1, [torch.ones(p.numel()) for p in params], [3] * len(params))
+        if why == "dead-gateway":
+            thread.join()  # it has ended: the gateway is gone under the job
+        else:
+            mixing.stop_requested.set()
+    steps, mixed = 0, []
+    while steps < 50:  # the planned epochs are far from done: only the stop ends the loop
+        scale = mixing.begin_step()
+        if scale is None:
+            break
+        x, y = _batch("mlp", rank, steps)
+        module.zero_grad(set_to_none=True)
+        mixing.seed_gradients()
+        (F.cross_entropy(model(*x), y) * scale).backward()
+        mixed.append(mixing.mixes)
+        steps += 1
+        mixing.end_step(planned_done=False)
+    mixing.finish()
+    return {
+        "steps": steps,
+        "mixed": mixed,
+        "rounds": mixing.counts.rounds,
+        "gateway_failed": mixing.gateway_failed,
+        "digest": [float(p.detach().double().sum()) for p in params],
+    }

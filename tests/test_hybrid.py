@@ -173,3 +173,14 @@ def test_a_cloud_part_smaller_than_a_batch_is_refused_at_start(procs: list[Proc]
     assert job.proc.wait(60) == 2
     job._threads[1].join(5)
     assert "smaller than one batch (4096)" in "".join(job.stderr), job.stderr
+
+
+@pytest.mark.parametrize("why", ["sigterm", "dead-gateway"])
+def test_rank_0_stops_every_rank_at_the_same_step_and_mixes_what_was_queued(why: str, tmp_path: Path) -> None:
+    results = [r["ok"] for r in run_ranks(dist_cases.edge_mixing_stops, 2, tmp_path, why=why)]
+    for res in results:
+        # Step 1 decides to stop taking pushes and to mix the queued round; step 2 mixes it; then stop.
+        assert res["steps"] == 2 and res["mixed"] == [False, True], res
+    assert results[0]["rounds"] == 1
+    assert results[0]["gateway_failed"] == (why == "dead-gateway")
+    assert results[0]["digest"] == results[1]["digest"]
