@@ -78,6 +78,8 @@ def run_fleet(
         for net in nets:
             net.close()
     figures["wall_s"] = round(time.monotonic() - started, 1)
+    if not figures.get("audit_ok"):  # the whole report (per-edge table, exit codes) says why
+        print(f"convergence: {name}: the count audit failed:\n{log.getvalue()}", file=sys.stderr)
     last = log.getvalue().strip().splitlines()[-3:]
     print(
         f"  {name}: accuracy {figures.get('accuracy')} after {figures.get('rounds')} rounds; "

@@ -58,6 +58,7 @@ class _EdgeProcess:
         )
         self.status: dict[str, Any] = {}
         self.summary: dict[str, Any] | None = None
+        self.started = threading.Event()  # its "start" line: it handles SIGTERM from then on
         self.reader = threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True)
         self.reader.start()
 
@@ -67,10 +68,23 @@ class _EdgeProcess:
                 event = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if event.get("event") == "summary":
+            if event.get("event") == "start":
+                self.started.set()
+            elif event.get("event") == "summary":
                 self.summary = event
             elif event.get("event") == "status":
                 self.status = event
+
+    def stop(self, start_deadline: float) -> None:
+        """SIGTERM, once the agent has started (or `start_deadline` passed): one still importing
+        torch on a busy machine would die of it, without its summary."""
+        while not self.started.is_set() and self.proc.poll() is None:
+            left = start_deadline - time.monotonic()
+            if left <= 0:
+                break
+            self.started.wait(min(0.1, left))
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
 
     def finish(self, timeout: float) -> int | None:
         try:
@@ -332,8 +346,7 @@ def run(
         progress.end()
         trained_s = time.monotonic() - training
         for e in edges:
-            if e.proc.poll() is None:
-                e.proc.send_signal(signal.SIGTERM)
+            e.stop(start_deadline=started + STARTUP_LIMIT_S)
         codes = [e.finish(timeout=60) for e in edges]
         stop_gateway.set()
         serving.join(timeout=10)

@@ -18,6 +18,7 @@ waits on the network: a slow or dead link only makes the cached counts grow.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -88,18 +89,21 @@ class ElasticEdge(nn.Module):
         self.models_adopted += 1
         return True
 
-    def wait_ready(self, timeout_s: float) -> bool:
-        """Wait (bounded) until the gateway welcomed this edge and its newest model is loaded.
+    def wait_ready(self, timeout_s: float, stop: threading.Event | None = None) -> bool:
+        """Wait (bounded, and no longer than `stop` is clear) until the gateway welcomed this edge
+        and its newest model is loaded.
 
         Only for the start: once training runs, nothing waits on the network.
         """
+        stop = stop or threading.Event()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self.adopt_newest()
             session = self.session
             if session.welcomed and session.announced <= self.version:
                 return True
-            time.sleep(0.005)
+            if stop.wait(0.005):
+                return False
         return False
 
     @contextmanager

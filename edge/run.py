@@ -127,6 +127,11 @@ def thermal_gauges(guard: ThermalGuard | None) -> list[ExtraGauge]:
 
 
 def run(args: argparse.Namespace, config: EdgeConfig) -> int:
+    # First: a stop asked for while the agent loads its data or meets the gateway ends it
+    # cleanly, with a summary and its cache saved, instead of killing it.
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
     configure_logging(config.log_level, config.log_format, role="edge")
     try:
         curve = load_curve(config)
@@ -191,7 +196,7 @@ def run(args: argparse.Namespace, config: EdgeConfig) -> int:
             print(f"elasticfed edge: error: --metrics-bind {config.metrics_bind}: {exc}", file=sys.stderr)
             return 2
     try:
-        return _train(config, client_id, task, loader, agent, guard, metrics)
+        return _train(config, client_id, task, loader, agent, guard, metrics, stop)
     finally:
         if metrics is not None:
             metrics.close()
@@ -205,6 +210,7 @@ def _train(
     agent: ElasticEdge,
     guard: ThermalGuard | None,
     metrics: MetricsServer | None,
+    stop: threading.Event,
 ) -> int:
     state = agent.session.state
     begin = agent.status()
@@ -220,12 +226,9 @@ def _train(
         metrics_url=metrics.url if metrics is not None else None,
     )
     optimizer = torch.optim.SGD(agent.parameters(), lr=config.train.lr or task.lr, momentum=task.momentum)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-
     # Start from the gateway's model when it answers soon; train from our own seed otherwise.
-    if not agent.wait_ready(timeout_s=max(2.0, 4 * config.timeout_ms / 1000.0)):
+    ready = agent.wait_ready(timeout_s=max(2.0, 4 * config.timeout_ms / 1000.0), stop=stop)
+    if not ready and not stop.is_set():
         log.warning("no answer from the gateway at %s yet: training from the local model", config.gateway)
 
     started = time.monotonic()
@@ -235,6 +238,8 @@ def _train(
     try:
         for _ in range(config.train.epochs):
             for x, y in loader:
+                if stop.is_set():  # asked before the first step: train nothing
+                    break
                 if guard is not None and guard.hot():
                     paused = guard.wait_until_cool(stop)
                     log.info("thermal: training paused %.1f s while the device was hot", paused)

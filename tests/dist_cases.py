@@ -492,6 +492,43 @@ def edge_mixing(rank: int, world: int, weight: float, steps: int = 4) -> dict[st
     }
 
 
+def edge_mixing_drain(rank: int, world: int, edges: str, drain_s: float) -> dict[str, Any]:
+    """After the planned epochs (done after step 3) the job trains on while edges are heard, at most
+    `drain_s`.  `edges`: "heard" (a heartbeat before every step), "quiet" (none since the start)."""
+    from cloud.gateway import Gateway
+    from cloud.hybrid import EdgeMixing, EdgeRounds
+    from common.hooks import trainable_parameters
+
+    torch.manual_seed(0)
+    module = MLP()
+    rounds = gateway = None
+    if rank == 0:
+        rounds = EdgeRounds()
+        gateway = Gateway(module, None, update=rounds)
+    params = [p for _, p in trainable_parameters(module)]
+    model = LayerwiseDDP(module, pack_cap_bytes=0)
+    mixing = EdgeMixing(params, 0.5, gateway=gateway, rounds=rounds, idle_s=60.0, drain_s=drain_s)
+    steps, cap = 0, 12  # the cap stands for "still draining": the loop itself never stops the job
+    while steps < cap:
+        scale = mixing.begin_step()
+        if scale is None:
+            break
+        if gateway is not None and edges == "heard":
+            gateway.last_heard_at = gateway.clock()
+        x, y = _batch("mlp", rank, steps)
+        module.zero_grad(set_to_none=True)
+        mixing.seed_gradients()
+        (F.cross_entropy(model(*x), y) * scale).backward()
+        steps += 1
+        mixing.end_step(planned_done=steps >= 3)
+    mixing.finish()
+    return {
+        "steps": steps,
+        "capped": steps == cap,
+        "digest": [float(p.detach().double().sum()) for p in params],
+    }
+
+
 def edge_mixing_stops(rank: int, world: int, why: str) -> dict[str, Any]:
     """Rank 0 stops the job mid-training (its SIGTERM, or its gateway thread died): every rank stops
     at the same step, and the round queued before the stop is still mixed in."""

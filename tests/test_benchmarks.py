@@ -92,7 +92,7 @@ def test_convergence_benchmark_writes_its_csv_plot_and_figures(tmp_path: Path) -
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert set(figures["final_acc"]) == {"0", "60"} and set(figures["time_to_90_s"]) == {"0", "60"}
     assert all(0.0 <= acc <= 1.0 for acc in figures["final_acc"].values())
-    assert all(figures["audit_ok"].values()), figures
+    assert all(figures["audit_ok"].values()), (figures, result.stderr[-4000:])
     assert 0.0 < figures["fedavg_final_acc"] <= 1.0 and "fedavg_time_to_90_s" in figures
     assert set(figures["fedavg_lossy_final_acc"]) == {"60"}  # FedAvg over the same lossy link
     # Kernel packet loss ran, or the JSON says exactly why not.

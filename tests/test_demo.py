@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 from fleet import process_env
 
-pytestmark = pytest.mark.slow
+from cloud.demo import _EdgeProcess
 
 
 def run_demo(*flags: str) -> tuple[dict, str]:
@@ -24,6 +26,7 @@ def run_demo(*flags: str) -> tuple[dict, str]:
     return json.loads(result.stdout.strip().splitlines()[-1]), result.stdout
 
 
+@pytest.mark.slow
 def test_demo_at_its_default_30_percent_bursty_loss_reaches_93_percent() -> None:
     figures, out = run_demo()
     assert figures["loss"] == 0.3 and figures["edges"] == 4
@@ -38,6 +41,7 @@ def test_demo_at_its_default_30_percent_bursty_loss_reaches_93_percent() -> None
     assert "the link is CURVE-encrypted, 4 devices enrolled" in out  # secured by default
 
 
+@pytest.mark.slow
 def test_demo_lossless_reaches_95_percent() -> None:
     # A deadline no lossless loopback push misses, even on a busy 2-core machine: a weak
     # sync here would be a protocol bug, not a slow scheduler.
@@ -46,9 +50,38 @@ def test_demo_lossless_reaches_95_percent() -> None:
     assert figures["weak_syncs"] == 0 and figures["audit_ok"]
 
 
+@pytest.mark.slow
 def test_demo_refuses_bad_flags_before_starting_anything() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "common.cli", "demo", "--loss", "1.5"],
         capture_output=True, text=True, env=process_env(), timeout=60,
     )  # fmt: skip
     assert result.returncode == 2 and "--loss" in result.stderr
+
+
+# An agent that takes a while to start (importing torch on a busy machine) and only then handles
+# SIGTERM: it prints "start" once its handler is in, and a summary when stopped.
+SLOW_STARTER = """
+import json, signal, sys, threading, time
+time.sleep(0.5)
+stop = threading.Event()
+signal.signal(signal.SIGTERM, lambda *_: stop.set())
+print(json.dumps({"event": "start"}), flush=True)
+stop.wait(60)
+print(json.dumps({"event": "summary", "steps": 0}), flush=True)
+"""
+
+
+def test_the_demo_stops_an_edge_only_once_it_has_started(tmp_path: Path) -> None:
+    # The demo ends when its round budget is spent, possibly before a slow edge has started:
+    # SIGTERM then would kill it without a summary, and the count audit would fail.
+    edge = _EdgeProcess("slow", [sys.executable, "-c", SLOW_STARTER], tmp_path / "slow.log")
+    edge.stop(start_deadline=time.monotonic() + 60)
+    assert edge.finish(timeout=60) == 0
+    assert edge.summary == {"event": "summary", "steps": 0}
+
+
+def test_the_demo_gives_up_waiting_for_a_start_at_the_deadline(tmp_path: Path) -> None:
+    edge = _EdgeProcess("slow", [sys.executable, "-c", SLOW_STARTER], tmp_path / "slow.log")
+    edge.stop(start_deadline=time.monotonic())  # the start-up limit has passed: stop it now
+    assert edge.finish(timeout=60) == -15 and edge.summary is None

@@ -339,7 +339,9 @@ def test_a_sum_saved_before_any_welcome_is_not_taken_for_a_duplicate_later(tmp_p
             third.close()
 
 
-def test_sigterm_saves_the_edge_state_and_the_next_start_loads_it(tmp_path: Path, procs: list[Proc]) -> None:
+def test_sigterm_saves_the_edge_state_and_the_next_start_loads_it_even_before_training(
+    tmp_path: Path, procs: list[Proc]
+) -> None:
     # Nobody listens: everything the agent trains stays cached, and must survive the restart.
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     flags = ["--state-dir", str(tmp_path), "--persist-every-s", "3600", "--drain-s", "0.5"]
@@ -356,7 +358,12 @@ def test_sigterm_saves_the_edge_state_and_the_next_start_loads_it(tmp_path: Path
     assert start["resumed_from"] is not None and start["skipped_states"] == []
     assert start["undelivered_steps"] == summary["undelivered_steps"]
     assert start["produced_steps"] == summary["produced_steps"]
-    again.kill()
+    # Stopped while it still waits for the gateway (before its first step): it trains nothing,
+    # says so in a summary and keeps what it holds (exit 5), instead of dying of the signal.
+    again.signal(signal.SIGTERM)
+    assert again.proc.wait(60) == 5, again.stderr[-20:]
+    stopped = again.wait_for(lambda e: e.get("event") == "summary", 10, "a summary")
+    assert stopped["steps"] == 0 and stopped["undelivered_steps"] == summary["undelivered_steps"]
 
 
 def test_a_gateway_directory_in_use_is_refused_at_start(

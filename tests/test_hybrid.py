@@ -184,3 +184,26 @@ def test_rank_0_stops_every_rank_at_the_same_step_and_mixes_what_was_queued(why:
     assert results[0]["rounds"] == 1
     assert results[0]["gateway_failed"] == (why == "dead-gateway")
     assert results[0]["digest"] == results[1]["digest"]
+
+
+@pytest.mark.parametrize(
+    ("edges", "drain_s", "steps"),
+    [
+        ("heard", 3600.0, None),  # edges still deliver, the deadline is far: training goes on
+        ("heard", 0.0, 3),  # the deadline has passed: stop although edges are heard
+        ("quiet", 3600.0, 3),  # nobody heard within idle_s: nothing to wait for
+    ],
+)
+def test_after_the_planned_epochs_the_job_drains_while_edges_are_heard_up_to_the_deadline(
+    edges: str, drain_s: float, steps: int | None, tmp_path: Path
+) -> None:
+    results = [
+        r["ok"] for r in run_ranks(dist_cases.edge_mixing_drain, 2, tmp_path, edges=edges, drain_s=drain_s)
+    ]
+    for res in results:
+        if steps is None:
+            assert res["capped"], res
+        else:
+            # Step 3 ends the plan; with nothing queued, its end tells every rank to stop.
+            assert res["steps"] == steps and not res["capped"], res
+    assert results[0]["digest"] == results[1]["digest"]
