@@ -695,9 +695,12 @@ def run(args: argparse.Namespace, config: LinksimConfig) -> int:
     return _run_zmq(config, faults)
 
 
-def _ready(config: LinksimConfig, faults: Faults, endpoint: str) -> None:
+def _ready(config: LinksimConfig, faults: Faults, endpoint: str, started: float) -> None:
+    # `clock_started`: time.monotonic() when outages started counting; one clock for every
+    # process of a Linux machine, so a harness can place the outage windows exactly.
     _emit(
         "ready",
+        clock_started=started,
         layer=config.layer,
         endpoint=endpoint,
         upstream=config.upstream,
@@ -722,7 +725,7 @@ def _run_zmq(config: LinksimConfig, faults: Faults) -> int:
         signal.signal(sig, lambda *_: stop.set())
     started = time.monotonic()
     proxy.start = started  # outages count from here, the moment the ready line goes out
-    _ready(config, faults, endpoint)
+    _ready(config, faults, endpoint, started)
 
     def status() -> None:
         _emit("status", t=round(time.monotonic() - started, 3), **proxy.report())
@@ -749,7 +752,7 @@ def _run_tcp(config: LinksimConfig, faults: Faults) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         started = proxy.start = time.monotonic()
-        _ready(config, faults, endpoint)
+        _ready(config, faults, endpoint, started)
 
         def status() -> None:
             _emit("status", t=round(time.monotonic() - started, 3), **proxy.report())

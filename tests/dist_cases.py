@@ -237,6 +237,9 @@ def rank_fails_mid_backward(
             return _TrapFn.apply(x)
 
     model.net.insert(2, Trap())  # between the first and second linear layer: mid-backward
+    # All ranks here first (default timeout): on a busy machine one rank can start seconds late,
+    # and the short `timeout_s` is for the failure below, not for process start-up.
+    dist.barrier()
     ours = LayerwiseDDP(model, timeout_s=timeout_s)
     x = torch.randn(8, 20)
     F.cross_entropy(ours(x), torch.zeros(8, dtype=torch.long)).backward()  # one good step

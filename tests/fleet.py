@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -16,10 +17,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import zmq
@@ -31,6 +33,7 @@ from common.task import load_task
 
 REPO = Path(__file__).resolve().parents[1]
 Event = dict[str, Any]
+T = TypeVar("T")
 
 
 def process_env() -> dict[str, str]:
@@ -59,6 +62,7 @@ class Proc:
         self.events: list[Event] = []
         self.stderr: list[str] = []
         self._changed = threading.Condition()
+        self._eof = False  # its stdout is closed and every line of it is in `events`
         self._threads = [
             threading.Thread(target=self._read_stdout, daemon=True),
             threading.Thread(target=self._read_stderr, daemon=True),
@@ -76,6 +80,9 @@ class Proc:
             with self._changed:
                 self.events.append(event)
                 self._changed.notify_all()
+        with self._changed:
+            self._eof = True
+            self._changed.notify_all()
 
     def _read_stderr(self) -> None:
         assert self.proc.stderr is not None
@@ -93,7 +100,8 @@ class Proc:
                         return event
                 seen = len(self.events)
                 left = deadline - time.monotonic()
-                if left <= 0 or (self.proc.poll() is not None and seen == len(self.events)):
+                # Ended: only once its last lines are read (they may still be in the pipe).
+                if left <= 0 or (self._eof and seen == len(self.events)):
                     raise AssertionError(
                         f"{self.name}: no event with {what} within {timeout} s{self._tail()}"
                     )
@@ -104,6 +112,12 @@ class Proc:
         assert self.proc.stdin is not None
         self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
+
+    def read_all(self, timeout: float = 10.0) -> None:
+        """After the process ended: wait until everything it printed is in `events`."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._eof, timeout):
+                raise AssertionError(f"{self.name}: its output did not end within {timeout} s{self._tail()}")
 
     def statuses(self) -> list[Event]:
         with self._changed:
@@ -208,6 +222,17 @@ def model_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
+_pump_calls: dict[int, queue.Queue[tuple[Callable[[], Any], Future[Any]]]] = {}
+
+
+def on_pump(gw: Gateway, fn: Callable[[], T]) -> T:
+    """Run `fn` on the thread that serves `gw` (inside `pumped`): ZeroMQ sockets are not thread-safe,
+    and a checkpoint's commit goes out on the gateway's socket."""
+    done: Future[T] = Future()
+    _pump_calls[id(gw)].put((fn, done))
+    return done.result(timeout=30)
+
+
 @contextmanager
 def pumped(gw: Gateway) -> Iterator[Gateway]:
     """Serve from a thread; leaving the block is a crash: no checkpoint, no goodbye."""
@@ -222,9 +247,18 @@ def pumped(gw: Gateway) -> Iterator[Gateway]:
                 raise
             time.sleep(0.02)
 
+    calls: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
+    _pump_calls[id(gw)] = calls
+
     def pump() -> None:
         while not stop.is_set():
             gw.poll_once(0.01)
+            while not calls.empty():  # the gateway's socket is this thread's alone
+                fn, done = calls.get()
+                try:
+                    done.set_result(fn())
+                except BaseException as exc:  # handed to the caller
+                    done.set_exception(exc)
 
     thread = threading.Thread(target=pump, daemon=True)
     thread.start()
@@ -233,6 +267,7 @@ def pumped(gw: Gateway) -> Iterator[Gateway]:
     finally:
         stop.set()
         thread.join(10)
+        _pump_calls.pop(id(gw), None)
         assert gw._sock is not None
         gw._sock.close(linger=0)
         gw._sock = None

@@ -19,10 +19,11 @@ gateway's counts over its checkpointed history:
   what a dead gateway lost was sent again, once;
 - nothing is left undelivered or held, and a dead gateway's loss was re-sent.
 
-And the accuracy is at most 2 points below the same run without kills: the
+And the accuracy is at most 3 points below the same run without kills: the
 killed edge's last unsaved steps are lost and its restarted run's first pushes
-are stale, and the digits test set has 360 examples (one is 0.28 points); runs
-differed by up to 1.1 points either way.  Exactness is the count audit's job.
+are stale, and the digits test set has 360 examples (one is 0.28 points); pairs
+of runs differed by up to 1.1 points either way, and either run of a pair can be
+the unlucky one.  Exactness is the count audit's job.
 """
 
 from __future__ import annotations
@@ -118,6 +119,7 @@ def run(tmp: Path, procs: list[Proc], chaos: bool, seed: int = 7) -> dict[str, A
                 at_version(victim, moment)
                 victim.proc.kill()
                 victim.proc.wait(10)
+                victim.read_all()  # its last status lines may still be in the pipe
                 runs[2][-1]["last_status"] = victim.statuses()[-1]
                 procs_of[2], start = start_edge(endpoint, 2, tmp, procs)
                 assert start["resumed_from"] is not None, start
@@ -200,4 +202,4 @@ def test_kill_9_of_the_gateway_three_times_and_an_edge_twice_loses_nothing_durab
     assert not problems, (problems, figures)
     # The path that matters was taken: a dead gateway's acknowledged pushes were sent again.
     assert sum(e["lost_by_gateway_resent"] for e in figures["edges"].values()) > 0, figures
-    assert gw["accuracy"] >= reference["gateway"]["accuracy"] - 0.02, figures
+    assert gw["accuracy"] >= reference["gateway"]["accuracy"] - 0.03, figures

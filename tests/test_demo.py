@@ -63,7 +63,7 @@ def test_demo_refuses_bad_flags_before_starting_anything() -> None:
 # SIGTERM: it prints "start" once its handler is in, and a summary when stopped.
 SLOW_STARTER = """
 import json, signal, sys, threading, time
-time.sleep(0.5)
+time.sleep(float(sys.argv[1]))
 stop = threading.Event()
 signal.signal(signal.SIGTERM, lambda *_: stop.set())
 print(json.dumps({"event": "start"}), flush=True)
@@ -75,13 +75,13 @@ print(json.dumps({"event": "summary", "steps": 0}), flush=True)
 def test_the_demo_stops_an_edge_only_once_it_has_started(tmp_path: Path) -> None:
     # The demo ends when its round budget is spent, possibly before a slow edge has started:
     # SIGTERM then would kill it without a summary, and the count audit would fail.
-    edge = _EdgeProcess("slow", [sys.executable, "-c", SLOW_STARTER], tmp_path / "slow.log")
+    edge = _EdgeProcess("slow", [sys.executable, "-c", SLOW_STARTER, "0.5"], tmp_path / "slow.log")
     edge.stop(start_deadline=time.monotonic() + 60)
     assert edge.finish(timeout=60) == 0
     assert edge.summary == {"event": "summary", "steps": 0}
 
 
 def test_the_demo_gives_up_waiting_for_a_start_at_the_deadline(tmp_path: Path) -> None:
-    edge = _EdgeProcess("slow", [sys.executable, "-c", SLOW_STARTER], tmp_path / "slow.log")
+    edge = _EdgeProcess("slow", [sys.executable, "-c", SLOW_STARTER, "60"], tmp_path / "slow.log")
     edge.stop(start_deadline=time.monotonic())  # the start-up limit has passed: stop it now
     assert edge.finish(timeout=60) == -15 and edge.summary is None

@@ -155,7 +155,7 @@ def test_edges_find_a_restarted_gateway_without_help() -> None:
     first = gateway_process(port, "--gateway-quorum", "1", "--gateway-round-deadline-s", "0.2")
     first.wait_for(lambda e: e.get("event") == "ready", 60, "a ready event")
     endpoint = f"tcp://127.0.0.1:{port}"
-    flags = "--train-duration-s 18 --train-epochs 100000 --timeout-ms 200 --heartbeat-ms 200"
+    flags = "--train-epochs 100000 --timeout-ms 200 --heartbeat-ms 200"  # until told to stop
     flags += " --status-every-s 0.2"
     edges = [edge(endpoint, f"restart-{i}", *flags.split(), "--train-shard", f"{i}/2") for i in range(2)]
     for e in edges:
@@ -175,6 +175,8 @@ def test_edges_find_a_restarted_gateway_without_help() -> None:
             60,
             "deliveries to the new gateway",
         )
+    for e in edges:
+        e.signal(signal.SIGTERM)  # stop training, deliver what is cached, exit 0
     summaries = [e.summary(timeout=90) for e in edges]
     second.signal(signal.SIGTERM)
     gw = second.summary(timeout=30)
