@@ -33,6 +33,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -67,6 +68,8 @@ from protocol import (
     Manifest,
     Message,
     Model,
+    ModelChunk,
+    ModelFetch,
     ModelRequest,
     ProtocolError,
     Push,
@@ -74,6 +77,7 @@ from protocol import (
     Reject,
     Welcome,
     apply_limits,
+    blob,
     decode,
     encode,
     frame_bytes,
@@ -151,6 +155,10 @@ class GatewayOptions:
     # contribution for local progress); 0: no bound.  Over it: clip to it, or refuse the push.
     max_grad_norm: float = 0.0
     norm_policy: str = "clip"
+    # Served model versions kept for chunked downloads (ModelFetch), the least recently fetched
+    # forgotten first: an edge part-way through one finishes it rather than starting over.
+    model_versions_kept: int = 8
+    max_chunk_bytes: int = 4 * 2**20  # the most one ModelChunk carries, whatever an edge asks
 
     def __post_init__(self) -> None:
         if self.credit < 1 or self.window < 1:
@@ -163,6 +171,20 @@ class GatewayOptions:
             raise ValueError("rates and max_grad_norm must be >= 0 (0: off)")
         if self.norm_policy not in NORM_POLICIES:
             raise ValueError(f"norm_policy must be one of {NORM_POLICIES}, got {self.norm_policy!r}")
+        if self.model_versions_kept < 1 or self.max_chunk_bytes < 1024:
+            raise ValueError(
+                f"model_versions_kept must be >= 1 and max_chunk_bytes >= 1024, got "
+                f"{self.model_versions_kept}, {self.max_chunk_bytes}"
+            )
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """One served model version as a blob (protocol/blob.py) and its digest."""
+
+    version: int
+    blob: torch.Tensor
+    digest: int
 
 
 class _Rate:
@@ -376,8 +398,12 @@ class Gateway:
         self.applied_steps: dict[str, list[int]] = {}
         self.metrics = GatewayMetrics()
         self.metrics.version.set(value=version)
+        # Served versions as blobs (protocol/blob.py), newest last; the newest is what edges are
+        # told of.  Each is immutable: chunks leave zero-copy while the optimizer moves on.
+        self._served: OrderedDict[int, ServedModel] = OrderedDict()
+        self._served_lock = threading.Lock()  # hybrid: the trainer publishes while this thread serves
         # (version, parameters) served to edges; replaced whole, so a reader never sees a mix.
-        self._published = (version, self._take_snapshot())
+        self._published = self._serve(version)
         self._last_close = clock()
         # When a welcomed edge last sent anything (pushes, heartbeats): hybrid mode's drain.
         self.last_heard_at: float | None = None
@@ -544,6 +570,8 @@ class Gateway:
                     gateway_id=self.gateway_id,
                 ),
             )
+        elif isinstance(msg, ModelFetch):
+            self._on_model_fetch(route, msg)
         elif isinstance(msg, ModelRequest):
             self._on_model_request(route, msg)
         else:
@@ -727,6 +755,28 @@ class Gateway:
         layers = tuple(LayerTensor(n, Dense(params[n])) for n in self.names)
         self._reply(route, Model(version=version, full=True, layers=layers))
 
+    def _on_model_fetch(self, route: bytes, msg: ModelFetch) -> None:
+        """A slice of a served version (the newest if that one is gone); the edge paces these."""
+        with self._served_lock:
+            newest = self._newest_served()
+            served = self._served.get(msg.version or newest.version)
+            if served is None:
+                served = newest  # forgotten: the edge starts over on the newest
+            else:
+                self._served.move_to_end(served.version)  # recently fetched: kept longest
+                self._served.move_to_end(newest.version)  # ... but never before the newest
+        size = served.blob.numel()
+        start = min(msg.offset, size)
+        end = min(size, start + min(msg.length, self.options.max_chunk_bytes))
+        data = memoryview(served.blob.numpy()[start:end])
+        self._reply(
+            route,
+            ModelChunk(version=served.version, size=size, digest=served.digest, offset=start, data=data),
+        )
+
+    def _newest_served(self) -> ServedModel:
+        return self._newest  # under _served_lock; kept at the end of the order, never forgotten
+
     # --------------------------------------------------------------------- rounds
     def maybe_close_round(self) -> RoundSummary | None:
         now = self.clock()
@@ -810,7 +860,8 @@ class Gateway:
         self.open = OpenRound(number=round_number, layers=len(self.params))
         self.clients = clients
         self.routes = {}
-        self._published = (version, self._take_snapshot())
+        self._served.clear()
+        self._published = self._serve(version)
         self.metrics.version.set(value=version)
         self.metrics.clients.set(value=len(clients))
 
@@ -832,12 +883,21 @@ class Gateway:
         Called by whoever owns the model, between its updates: the gateway's own thread in
         standalone mode, the cloud trainer on rank 0 in hybrid mode (cloud/hybrid.py).
         """
-        self._published = (version, self._take_snapshot())
+        self._published = self._serve(version)
         self.metrics.version.set(value=version)
 
-    def _take_snapshot(self) -> dict[str, torch.Tensor]:
-        # Immutable per version: model answers are sent zero-copy while the optimizer moves on.
-        return {n: p.detach().to("cpu", copy=True).contiguous() for n, p in zip(self.names, self.params)}
+    def _serve(self, version: int) -> tuple[int, dict[str, torch.Tensor]]:
+        """Snapshot the parameters as `version`'s blob; (version, per-layer views of it)."""
+        cpu = {n: p.detach().to("cpu") for n, p in zip(self.names, self.params)}
+        data = blob.pack(self.manifest, cpu)
+        served = ServedModel(version, data, blob.digest(data))
+        with self._served_lock:
+            self._served.pop(version, None)
+            self._served[version] = served
+            self._newest = served
+            while len(self._served) > self.options.model_versions_kept:
+                self._served.popitem(last=False)
+        return version, blob.unpack(self.manifest, data)
 
     # ---------------------------------------------------------------------- replies
     def _ack(

@@ -77,6 +77,8 @@ from common.keys import KeyPair, configure_client
 from common.link import Backoff, Faults, FaultyChannel
 from common.metrics import LATENCY_BUCKETS_S, STALENESS_BUCKETS, Metrics
 from edge.cache import Flight, GradientCache
+from edge.download import ModelDownload
+from edge.pacing import LinkMeter, UploadCap
 from edge.persistence import EdgeState
 from protocol import (
     DEFAULT_LIMITS,
@@ -90,7 +92,8 @@ from protocol import (
     Limits,
     Manifest,
     Model,
-    ModelRequest,
+    ModelChunk,
+    ModelFetch,
     ProtocolError,
     Push,
     Reason,
@@ -124,10 +127,16 @@ class SessionOptions:
     curve: tuple[KeyPair, bytes] | None = field(default=None, repr=False)
     state_dir: str = ""  # where the cache survives restarts ("": it does not)
     persist_every_s: float = 10.0  # at most this much training is lost to a power cut
+    upload_mbit: float = 0.0  # average cap on what this device sends, in Mbit/s (0: none)
+    model_chunk_bytes: int = 256 * 1024  # a model comes down in slices of this size (edge/download.py)
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0 or self.heartbeat_s <= 0:
             raise ValueError("timeout_s and heartbeat_s must be positive")
+        if self.upload_mbit < 0:
+            raise ValueError(f"upload_mbit must be >= 0 (0: no cap), got {self.upload_mbit}")
+        if not 1024 <= self.model_chunk_bytes <= 4 * 2**20:
+            raise ValueError(f"model_chunk_bytes must be in [1 KiB, 4 MiB], got {self.model_chunk_bytes}")
         if self.liveness < 1:
             raise ValueError("liveness is a number of heartbeats, at least 1")
         if self.persist_every_s <= 0:
@@ -200,6 +209,14 @@ class EdgeMetrics:
             ["layer"],
         )
         self.persists = m.counter("edge_state_saves_total", "times the cache was saved to disk")
+        self.model_bytes = m.counter("edge_model_bytes_total", "model bytes received in chunks")
+        self.download_restarts = m.counter(
+            "edge_model_download_restarts_total",
+            "downloads started over (the gateway stopped serving that version, or a corrupt blob)",
+        )
+        self.download_resumes = m.counter(
+            "edge_model_download_resumes_total", "part-way downloads carried over to a new connection"
+        )
         self.pushes = m.counter("edge_pushes_total", "push messages sent (first sends and re-sends)")
 
 
@@ -246,8 +263,15 @@ class EdgeSession:
         self._save_retry_at = 0.0
         self._durable_seen: dict[str, int] = {}  # instance -> newest checkpoint it said is on disk
         self.announced = model_version
-        self._model_asked_at = -1.0  # newest model request not answered yet (-1: none)
-        self._model_first_ask = -1.0  # oldest one: an answer covers at least that request
+        # Models come down in chunks the edge asks for at the link's pace (edge/download.py).
+        self.download = ModelDownload(manifest, options.model_chunk_bytes)
+        # Measured rates each way (edge/pacing.py): how much may be queued on the connection, how
+        # long answers may take, and so how long silence means a dead link.
+        self.uplink = LinkMeter(initial_bps=2e6, queue_s=2.0)
+        self.downlink = LinkMeter(initial_bps=2e6, queue_s=1.0)
+        self.upload_cap = UploadCap(options.upload_mbit, clock())
+        self._inflight_bytes = 0  # bytes of outstanding pushes on this connection
+        self._cap_ready_at = 0.0  # the upload cap holds back the next push until then
         self._flights: dict[int, int] = {}  # seq -> unit
         self._outstanding_n = 0  # flights sent whose deadline has not passed
         self._sock: zmq.Socket | None = None
@@ -442,6 +466,10 @@ class EdgeSession:
             times.append(self._last_hello + self._probe_s)
         if self._sock is None:
             times.append(self._next_connect)
+        if self._cap_ready_at > now:
+            times.append(self._cap_ready_at)
+        if self.download.active and self.loses_messages:
+            times.append(now + self.resend_s)
         for u in self._flights.values():
             flight = self.cache.units[u].flight
             if flight is not None and flight.outstanding:
@@ -488,7 +516,11 @@ class EdgeSession:
                     self._mark_weak(u, flight)
                 flight.attempts = 0  # copies are counted per connection (see _adapt_resend)
         self._covers(now)  # what went out on the old socket is answered there or not at all
-        self._model_asked_at = self._model_first_ask = -1.0  # ask again on the new connection
+        if self.download.active and self.download.received_bytes():
+            self.metrics.download_resumes.inc()
+        self.download.connection_lost()  # what has arrived stays; the rest is asked for anew
+        self.uplink.connection_replaced()
+        self.downlink.connection_replaced()
         log.info("no answer from %s for %.1f s: reconnecting", self.options.gateway, silent)
         self._connect(self._poller, now)
 
@@ -596,6 +628,7 @@ class EdgeSession:
             attempt=flight.attempts,
         )
         result = self._send(encode(msg), now, track=True)
+        self.upload_cap.take(_nbytes(flight), now)
         self.metrics.pushes.inc()
         for name, shape in zip(unit.names, unit.shapes):
             self.metrics.sent_bytes.inc(name, by=math.prod(shape) * unit.dtype.itemsize)
@@ -612,11 +645,11 @@ class EdgeSession:
         with self._lock:
             wanted = sorted(self._wanted)
         for u in wanted:
-            if self._outstanding() >= self.credit:
-                return
             unit = self.cache.units[u]
             if unit.flight is not None:
                 continue  # waits for the unanswered push of this unit
+            if not self._may_send(unit.numel * unit.dtype.itemsize, now):
+                return
             floor = self._oldest_unanswered()
             if self.seq - floor >= self.window:
                 return
@@ -638,7 +671,9 @@ class EdgeSession:
                 flight.outstanding = False
                 self._must_save = True
                 continue
-            self._outstanding_n += 1  # a new flight starts outstanding
+            flight.outstanding = False
+            self._set_outstanding(flight, True)  # a new flight starts outstanding
+            flight.deadline = self._deadline(0, now)  # its bytes are counted in flight already
             if not self._push(u, flight, now):
                 self._mark_weak(u, flight)
 
@@ -647,15 +682,15 @@ class EdgeSession:
         if not self.welcomed or self._must_save:
             return
         for seq in list(self._flights):
-            if self._outstanding() >= self.credit:
-                return
             u = self._flights[seq]
             flight = self.cache.units[u].flight
             if flight is None or not flight.unsent or flight.held_for_save:
                 continue
+            if not self._may_send(_nbytes(flight), now):
+                return
             flight.unsent = False
             flight.first_sent = flight.last_sent = now
-            flight.deadline = now + self.options.timeout_s
+            flight.deadline = self._deadline(_nbytes(flight), now)
             self._set_outstanding(flight, True)
             if not self._push(u, flight, now):
                 self._mark_weak(u, flight)
@@ -698,6 +733,24 @@ class EdgeSession:
         if flight.outstanding != value:
             flight.outstanding = value
             self._outstanding_n += 1 if value else -1
+            self._inflight_bytes += _nbytes(flight) if value else -_nbytes(flight)
+
+    def _may_send(self, nbytes: int, now: float) -> bool:
+        """Credit, and room on the link: what is queued drains within the uplink's budget, and the cap."""
+        if self._outstanding() >= self.credit:
+            return False
+        if self._inflight_bytes and self._inflight_bytes + nbytes > self.uplink.budget(nbytes):
+            return False
+        ready = self.upload_cap.ready_at(nbytes, now)
+        if ready > now:
+            self._cap_ready_at = ready
+            return False
+        return True
+
+    def _deadline(self, nbytes: int, now: float) -> float:
+        """When an answer is overdue: the per-layer deadline plus twice what the link needs for the
+        bytes queued ahead and this push (a push slower than that is weak; one merely large is not)."""
+        return now + self.options.timeout_s + 2 * self.uplink.expected_s(self._inflight_bytes + nbytes)
 
     def _resend_weak(self, now: float, sent_before: float = -math.inf) -> None:
         """Weak pushes go again, oldest first, as far as credit allows.
@@ -708,8 +761,6 @@ class EdgeSession:
         if self._must_save:
             return
         for seq in sorted(self._flights):
-            if self._outstanding() >= self.credit:
-                return
             u = self._flights[seq]
             flight = self.cache.units[u].flight
             if flight is None or flight.outstanding or flight.unsent:
@@ -717,9 +768,11 @@ class EdgeSession:
             timer_due = self.loses_messages and now >= flight.resend_at
             if not timer_due and flight.last_sent >= sent_before:
                 continue
+            if not self._may_send(_nbytes(flight), now):
+                return
+            flight.deadline = self._deadline(_nbytes(flight), now)
             self._set_outstanding(flight, True)
             flight.last_sent = now
-            flight.deadline = now + self.options.timeout_s
             flight.attempts += 1
             flight.resend_at = now + self.resend_s
             for name in self.cache.units[u].names:
@@ -774,8 +827,9 @@ class EdgeSession:
             self._commit(msg.gateway_id, msg.durable_epoch)
         elif isinstance(msg, Welcome):
             self._on_welcome(msg, now)
+        elif isinstance(msg, ModelChunk):
+            self._on_chunk(msg, now)
         elif isinstance(msg, Model):
-            self._covers(self._model_first_ask)
             self._on_model(msg)
         elif isinstance(msg, Reject):
             self._on_reject(msg, now)
@@ -821,7 +875,8 @@ class EdgeSession:
         if new_instance and msg.model_version != self.have_version:
             # A restarted gateway may be behind us: its model is the one that counts.
             self.announced = msg.model_version
-            self._ask_model(now, force=True)
+            self.download.start(msg.model_version)  # whatever a predecessor half-sent is void
+            self._ask_model(now)
         else:
             self._announce(msg.model_version)
 
@@ -844,6 +899,8 @@ class EdgeSession:
                 self._covers(flight.last_sent)
                 if flight.attempts and msg.code != Reason.NOT_WELCOMED.value:
                     self._adapt_resend(msg.attempt)
+                if msg.attempt == flight.attempts and flight.last_sent >= self._connected_at:
+                    self.uplink.answered(_nbytes(flight), flight.last_sent, now)
             self._verdict(msg.seq, msg.accepted, msg.code, msg.detail, now, msg.gateway_id, msg.epoch)
         self._settle(msg.verdicts, msg.gateway_id, now)
         self._commit(msg.gateway_id, msg.durable_epoch)
@@ -976,26 +1033,37 @@ class EdgeSession:
         if version > self.announced:
             self.announced = version
 
-    def _ask_model(self, now: float, force: bool = False) -> None:
-        want = force or self.announced > self.have_version
-        if not want or not self.welcomed:
+    def _ask_model(self, now: float) -> None:
+        """Ask for the next slices of the model being downloaded, as far as the downlink drains them."""
+        if not self.welcomed or self._sock is None:
             return
-        if self._model_asked_at >= 0 and not force:
-            # One request at a time: on a slow link a model takes longer to come down than
-            # the deadline, and asking again would queue copies of it ahead of the acks.  A
-            # live TCP connection delivers the answer (a replaced socket asks anew); only a
-            # link that loses messages, or a reply the gateway could not queue, needs another.
-            wait = self.resend_s if self.loses_messages else self._resend_max_s
-            if now - self._model_asked_at < wait:
+        if not self.download.active:
+            if self.announced <= self.have_version:
                 return
-        if self._model_first_ask < 0:
-            self._model_first_ask = now
-        self._model_asked_at = now
-        have = 0 if force else self.have_version
-        self._send(encode(ModelRequest(have_version=have)), now)
+            self.download.start(self.announced)
+        # Over TCP a request is answered unless the connection goes (then all are asked anew); a
+        # link that loses messages on a live connection needs a timer.
+        reask = max(self.resend_s, 4 * self.downlink.expected_s(self.downlink.budget())) if (
+            self.loses_messages
+        ) else math.inf
+        budget = self.downlink.budget(self.download.chunk_bytes)
+        for version, offset, length in self.download.requests(budget, now, reask):
+            self._send(encode(ModelFetch(version=version, offset=offset, length=length)), now)
+
+    def _on_chunk(self, msg: ModelChunk, now: float) -> None:
+        restarts = self.download.stats.restarts + self.download.stats.corrupt
+        model, asked_at = self.download.on_chunk(msg, now)
+        if asked_at is not None:
+            self.downlink.answered(len(msg.data), asked_at, now)
+            self.metrics.model_bytes.inc(by=len(msg.data))
+        if self.download.stats.restarts + self.download.stats.corrupt > restarts:
+            self.metrics.download_restarts.inc()
+        self._announce(msg.version)
+        if model is not None:
+            self._on_model(model)
+        self._ask_model(now)
 
     def _on_model(self, msg: Model) -> None:
-        self._model_asked_at = self._model_first_ask = -1.0
         if not msg.full:
             log.warning("partial model %d ignored: this edge asks for whole models", msg.version)
             return
@@ -1037,7 +1105,7 @@ class EdgeSession:
         self._send_wanted(now)
         if self.welcomed:
             self._ask_model(now)
-        if now - self._last_recv > self.options.heartbeat_s * self.options.liveness + self._grace:
+        if now - self._last_recv > self._silence_allowed():
             self._reconnect(now)
         elif self.welcomed and self._has_weak() and now - self._last_probe >= self._probe_s:
             # Weak pushes wait for the link to answer: ask it, more often than an idle heartbeat.
@@ -1048,6 +1116,14 @@ class EdgeSession:
                 self._say_hello(now)
         elif now - self._last_send >= self.options.heartbeat_s:
             self._heartbeat(now)
+
+    def _silence_allowed(self) -> float:
+        """Liveness judged by progress: the heartbeats' allowance, plus what the link needs to carry
+        what is queued on it each way (an answer waits behind it), at most a minute more."""
+        queued = self.uplink.expected_s(self._inflight_bytes) + self.downlink.expected_s(
+            self.download.outstanding_bytes()
+        )
+        return self.options.heartbeat_s * self.options.liveness + self._grace + min(60.0, queued)
 
     def _signature(self) -> tuple[int, ...]:
         """Changes whenever the state worth saving does (cheap: counts, not bytes)."""
@@ -1117,12 +1193,19 @@ class EdgeSession:
             "held_steps": self.cache.held_steps(),
             "cache_bytes": self.cache.host_bytes(),
             "cache_bound_bytes": self.cache.bound_bytes(),
+            "uplink_mbit": round(self.uplink.rate * 8 / 1e6, 3) if self.uplink.measured else None,
+            "downlink_mbit": round(self.downlink.rate * 8 / 1e6, 3) if self.downlink.measured else None,
+            "download": dict(self.download.stats.__dict__),
             "metrics": self.metrics.registry.snapshot(),
         }
         for name, channel in (("link_up", self.up), ("link_down", self.down)):
             if channel is not None:
                 out[name] = dict(channel.stats.__dict__)
         return out
+
+
+def _nbytes(flight: Flight) -> int:
+    return flight.buffer.numel() * flight.buffer.element_size()
 
 
 def _int_setting(settings: dict[str, object], key: str, default: int) -> int:

@@ -3,6 +3,7 @@
 Knows bytes, tensors and messages; nothing of training.
 """
 
+from protocol import blob
 from protocol.codec import DEFAULT_LIMITS, Limits, apply_limits, decode, encode, frame_bytes, limits_for
 from protocol.errors import ProtocolError, Reason
 from protocol.manifest import LayerSpec, Manifest
@@ -18,6 +19,8 @@ from protocol.messages import (
     LayerTensor,
     Message,
     Model,
+    ModelChunk,
+    ModelFetch,
     ModelRequest,
     Push,
     Reject,
@@ -44,6 +47,8 @@ __all__ = [
     "Manifest",
     "Message",
     "Model",
+    "ModelChunk",
+    "ModelFetch",
     "ModelRequest",
     "Payload",
     "ProtocolError",
@@ -53,6 +58,7 @@ __all__ = [
     "TopK",
     "Welcome",
     "apply_limits",
+    "blob",
     "decode",
     "encode",
     "frame_bytes",

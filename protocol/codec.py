@@ -22,6 +22,7 @@ from protocol.manifest import Manifest
 from protocol.messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
+    Blob,
     Kind,
     LayerGradient,
     Layers,
@@ -111,6 +112,10 @@ def encode(msg: Message) -> list[Any]:
         value = getattr(msg, f.name)
         if isinstance(kind, Layers):
             header[f.name] = [_describe(layer, kind, frames) for layer in value]
+        elif isinstance(kind, Blob):
+            buf = memoryview(value).cast("B") if not isinstance(value, bytes) else value
+            header[f.name] = {"len": len(buf), "xxh": checksum(memoryview(buf))}
+            frames.append(buf)
         else:
             header[f.name] = kind.to_wire(value)
     frames[0] = msgpack.packb(header)
@@ -212,6 +217,8 @@ def _decode(frames: Sequence[Frame], limits: Limits, manifest: Manifest | None) 
         kind: Kind = f.metadata["wire"]
         if isinstance(kind, Layers):
             values[name] = reader.layers(header[name], kind, where)
+        elif isinstance(kind, Blob):
+            values[name] = reader.blob(header[name], where)
         else:
             values[name] = kind.check(header[name], where)
     if reader.used != len(reader.frames):
@@ -284,6 +291,25 @@ class _LayerReader:
             seen.add(layer.name)
             out.append(layer)
         return tuple(out)
+
+    def blob(self, desc: object, where: str) -> memoryview:
+        """A raw frame whose length and checksum the header states."""
+        if type(desc) is not dict or set(desc) != {"len", "xxh"}:
+            raise ProtocolError(Reason.BAD_FIELD, f"{where}: expected a map of exactly len and xxh")
+        size = _UINT.check(desc["len"], f"{where}.len")
+        if self.used >= len(self.frames):
+            raise ProtocolError(Reason.FRAME_COUNT, f"{where}: message ends before its frame")
+        buf = self.frames[self.used]
+        if len(buf) != size:
+            raise ProtocolError(Reason.FRAME_SIZE, f"{where}: frame has {len(buf)} bytes, header says {size}")
+        if self.limits.verify_checksums:
+            want = desc["xxh"]
+            if type(want) is not int or not 0 <= want < 2**64:
+                raise ProtocolError(Reason.BAD_FIELD, f"{where}: checksum is not a 64-bit integer")
+            if checksum(buf) != want:
+                raise ProtocolError(Reason.CHECKSUM, f"{where}: frame fails its checksum")
+        self.used += 1
+        return buf
 
     def layer(self, desc: object, kind: Layers, where: str) -> LayerGradient | LayerTensor:
         if type(desc) is not dict:

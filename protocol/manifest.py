@@ -83,6 +83,28 @@ class Manifest:
                 raise ValueError(f"manifest entry {i}: {exc}") from None
         return cls(specs)
 
+    def blob_layout(self) -> tuple[tuple[LayerSpec, int], ...]:
+        """Each layer with its byte offset in a model blob (ModelChunk); offsets 8-byte aligned.
+
+        Both sides derive it from the manifest alone, so a blob needs no descriptors.
+        """
+        out = []
+        offset = 0
+        for spec in self._layers:
+            out.append((spec, offset))
+            nbytes = spec.numel * FLOAT_DTYPES[spec.dtype].itemsize
+            offset += (nbytes + 7) // 8 * 8
+        return tuple(out)
+
+    @property
+    def blob_bytes(self) -> int:
+        """Size of a model blob (padding included)."""
+        layout = self.blob_layout()
+        if not layout:
+            return 0
+        spec, offset = layout[-1]
+        return offset + (spec.numel * FLOAT_DTYPES[spec.dtype].itemsize + 7) // 8 * 8
+
     def to_wire(self) -> list[list[object]]:
         return [[s.name, list(s.shape), s.dtype] for s in self._layers]
 

@@ -161,11 +161,28 @@ class Layers(Kind):
         self.with_count = with_count
 
 
+class Blob(Kind):
+    """Raw bytes in a frame of their own; the header carries their length and checksum (the codec)."""
+
+
 UINT, BOOL = UInt(), Bool()
+
+
+class UInt64(Kind):
+    """A full 64-bit unsigned value (checksums); msgpack carries it natively."""
+
+    def check(self, value: object, where: str) -> int:
+        if type(value) is not int or not 0 <= value < 2**64:
+            raise _bad(where, "an integer in [0, 2**64)", value)
+        return value
+
+
+UINT64 = UInt64()
 ID = Str(256)
 CODE = Str(64)
 VERDICTS = VerdictList()
 GRADIENTS, PARAMETERS = Layers(with_count=True), Layers(with_count=False)
+BLOB = Blob()
 
 
 def wire(kind: Kind, **kwargs: Any) -> Any:
@@ -306,6 +323,38 @@ class Model(Message):
 
 
 @dataclass(frozen=True)
+class ModelFetch(Message):
+    """Edge -> gateway: bytes [offset, offset + length) of model `version`'s blob (0: the newest served).
+
+    The blob is every parameter in manifest order (`Manifest.blob_layout`).  Large models
+    come down as many small answers the edge asks for a few at a time, so nothing else it
+    waits for (an ack, a heartbeat reply) queues behind megabytes, and a download that a
+    reconnect interrupts goes on from the chunks it already holds.
+    """
+
+    TYPE: ClassVar[str] = "model_fetch"
+    version: int = wire(UINT)
+    offset: int = wire(UINT)
+    length: int = wire(UINT)
+
+
+@dataclass(frozen=True)
+class ModelChunk(Message):
+    """Gateway -> edge: a slice of model `version`'s blob of `size` bytes whose xxh3-64 is `digest`.
+
+    `version` may differ from the one asked for: the gateway no longer serves that one, and
+    the edge starts over on this one.
+    """
+
+    TYPE: ClassVar[str] = "model_chunk"
+    version: int = wire(UINT)
+    size: int = wire(UINT)
+    digest: int = wire(UINT64)
+    offset: int = wire(UINT)
+    data: memoryview = wire(BLOB)
+
+
+@dataclass(frozen=True)
 class Heartbeat(Message):
     """Either way; any message proves liveness, this one exists for idle links."""
 
@@ -330,5 +379,18 @@ class Reject(Message):
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
-    cls.TYPE: cls for cls in (Hello, Welcome, Push, Ack, Commit, ModelRequest, Model, Heartbeat, Reject)
+    cls.TYPE: cls
+    for cls in (
+        Hello,
+        Welcome,
+        Push,
+        Ack,
+        Commit,
+        ModelRequest,
+        Model,
+        ModelFetch,
+        ModelChunk,
+        Heartbeat,
+        Reject,
+    )
 }

@@ -1,0 +1,194 @@
+"""A model download in chunks: resumable across reconnects, paced by the edge, checked whole.
+
+At 10 Mbit/s a 10 MB model takes 8 s.  Sent as one message it would hold every
+ack and heartbeat reply behind it, and a reconnect would throw away what had
+arrived.  Instead the edge asks for slices of one served version (`ModelFetch`)
+and keeps no more of them outstanding than the link drains in about a second;
+each arriving chunk is progress (liveness), and the chunks already here stay
+here when the connection is replaced: the next requests ask only for the rest.
+
+The gateway keeps the versions edges are fetching; when the one being fetched
+is gone it answers with the newest, and only then does a download start over.
+The finished blob is checked against the digest the gateway stated, then its
+values for NaN/Inf, before the training thread may adopt it.
+
+No socket here: the session sends what `requests` returns and hands every
+`ModelChunk` to `on_chunk`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from protocol import Dense, LayerTensor, Manifest, Model, ModelChunk, blob
+
+log = logging.getLogger("elasticfed.edge")
+
+
+@dataclass
+class DownloadStats:
+    chunks: int = 0  # chunks received and kept
+    bytes: int = 0  # their bytes
+    duplicates: int = 0  # chunks received twice (a re-asked request answered twice)
+    restarts: int = 0  # downloads started over because the gateway no longer served the version
+    corrupt: int = 0  # finished blobs whose digest or values were wrong (started over)
+    resumed: int = 0  # connections replaced while a download was part-way (kept what had arrived)
+
+
+class ModelDownload:
+    """One version at a time; chunk-sized requests, outstanding ones bounded by a byte budget."""
+
+    def __init__(self, manifest: Manifest, chunk_bytes: int = 256 * 1024) -> None:
+        if chunk_bytes < 1024:
+            raise ValueError(f"chunk_bytes must be at least 1024, got {chunk_bytes}")
+        self.manifest = manifest
+        self.size = manifest.blob_bytes
+        self.chunk_bytes = chunk_bytes
+        self.chunks = max(1, math.ceil(self.size / chunk_bytes))
+        self.stats = DownloadStats()
+        self.version = 0  # the version being assembled (0: none yet; the gateway says which)
+        self.digest = 0
+        self._buffer: torch.Tensor | None = None
+        self._have = bytearray(self.chunks)  # 1: chunk i is in the buffer
+        self._missing = self.chunks
+        self._asked: dict[int, float] = {}  # chunk -> when asked on the current connection
+        self._next = 0  # lowest chunk index that may still be missing and unasked
+
+    # ---------------------------------------------------------------- state
+    @property
+    def active(self) -> bool:
+        return self._buffer is not None
+
+    def received_bytes(self) -> int:
+        return sum(self._chunk_len(i) for i in range(self.chunks) if self._have[i]) if self.active else 0
+
+    def outstanding_bytes(self) -> int:
+        return sum(self._chunk_len(i) for i in self._asked)
+
+    def oldest_ask(self) -> float | None:
+        return min(self._asked.values(), default=None)
+
+    def start(self, version: int) -> None:
+        """Begin fetching `version` (0: whichever the gateway serves newest), dropping any other."""
+        self._reset(version, 0)
+
+    def connection_lost(self) -> None:
+        """Requests sent on a replaced connection are not answered there: ask again on the next."""
+        if self._asked or (self.active and self._missing < self.chunks):
+            self.stats.resumed += 1 if self.active and self._missing < self.chunks else 0
+        self._asked.clear()
+        self._next = 0
+
+    # ------------------------------------------------------------- requests
+    def requests(self, budget_bytes: int, now: float, reask_after_s: float) -> list[tuple[int, int, int]]:
+        """(version, offset, length) to ask for now, within `budget_bytes` outstanding.
+
+        A request older than `reask_after_s` is asked again (a link that loses messages
+        on a live connection); over TCP the session passes infinity and relies on reconnects.
+        """
+        if not self.active:
+            return []
+        out = []
+        for i, at in list(self._asked.items()):
+            if now - at >= reask_after_s:
+                self._asked[i] = now
+                out.append(self._request(i))
+        outstanding = self.outstanding_bytes()
+        i = self._next
+        while i < self.chunks and (outstanding == 0 or outstanding + self._chunk_len(i) <= budget_bytes):
+            if not self._have[i] and i not in self._asked:
+                self._asked[i] = now
+                outstanding += self._chunk_len(i)
+                out.append(self._request(i))
+            i += 1
+        self._next = i
+        return out
+
+    def _request(self, i: int) -> tuple[int, int, int]:
+        return self.version, i * self.chunk_bytes, self._chunk_len(i)
+
+    def _chunk_len(self, i: int) -> int:
+        return min(self.chunk_bytes, self.size - i * self.chunk_bytes)
+
+    # --------------------------------------------------------------- chunks
+    def on_chunk(self, msg: ModelChunk, now: float) -> tuple[Model | None, float | None]:
+        """Keep a chunk; (the finished model or None, when the chunk was asked for or None)."""
+        if msg.size != self.size:
+            log.warning(
+                "model chunk of version %d says the model has %d bytes; this edge's has %d: ignored",
+                msg.version,
+                msg.size,
+                self.size,
+            )
+            return None, None
+        if not self.active:
+            return None, None  # nothing asked (a late answer after a finished download)
+        if msg.version == self.version and not self.digest:
+            self.digest = msg.digest  # the first chunk of a version asked for by number
+        elif msg.version != self.version or msg.digest != self.digest:
+            if self.version and msg.version < self.version:
+                return None, None  # a late answer about an older download
+            if self.version:
+                self.stats.restarts += 1
+                log.info(
+                    "gateway no longer serves model %d: downloading %d instead", self.version, msg.version
+                )
+            self._reset(msg.version, msg.digest, keep_asked=True)
+        if msg.version != self.version:
+            return None, None
+        i, rem = divmod(msg.offset, self.chunk_bytes)
+        if rem or i >= self.chunks or len(msg.data) != self._chunk_len(i):
+            log.warning("model chunk at offset %d of %d bytes does not fit this edge's chunking: ignored",
+                        msg.offset, len(msg.data))
+            return None, None
+        asked_at = self._asked.pop(i, None)
+        if self._have[i]:
+            self.stats.duplicates += 1
+            return None, asked_at
+        assert self._buffer is not None
+        start = msg.offset
+        self._buffer[start : start + len(msg.data)].copy_(torch.frombuffer(msg.data, dtype=torch.uint8))
+        self._have[i] = 1
+        self._missing -= 1
+        self.stats.chunks += 1
+        self.stats.bytes += len(msg.data)
+        if self._missing:
+            return None, asked_at
+        return self._finish(), asked_at
+
+    def _finish(self) -> Model | None:
+        assert self._buffer is not None
+        data, version, digest = self._buffer, self.version, self.digest
+        if blob.digest(data) != digest:
+            self.stats.corrupt += 1
+            log.warning("model %d failed its digest once assembled: downloading it again", version)
+            self._reset(version, digest)
+            return None
+        layers = blob.unpack(self.manifest, data)
+        bad = next((name for name, t in layers.items() if not bool(torch.isfinite(t).all())), None)
+        if bad is not None:
+            self.stats.corrupt += 1
+            log.warning("model %d holds NaN or Inf in %s: not adopted", version, bad)
+            self._buffer = None
+            return None
+        self._buffer = None  # the model owns it now; the next download gets a new one
+        self.version = 0
+        return Model(
+            version=version,
+            full=True,
+            layers=tuple(LayerTensor(spec.name, Dense(layers[spec.name])) for spec in self.manifest),
+        )
+
+    def _reset(self, version: int, digest: int, keep_asked: bool = False) -> None:
+        self.version = version
+        self.digest = digest
+        self._buffer = torch.empty(self.size, dtype=torch.uint8)
+        self._have = bytearray(self.chunks)
+        self._missing = self.chunks
+        if not keep_asked:
+            self._asked.clear()
+        self._next = 0
