@@ -64,6 +64,13 @@ class GatewaySettings:
     rate_bytes_per_s: float = setting(0.0, "bytes one device may send per second (0: no limit)", min=0.0)
     max_clients: int = setting(1024, "devices the gateway serves at once", min=1)
     credit: int = setting(8, "pushes one edge may have outstanding (flow control)", min=1, max=4096)
+    model_versions_kept: int = setting(
+        8,
+        "model versions kept for edges to download in chunks (the least recently fetched go first; "
+        "each costs one model's memory)",
+        min=1,
+        max=1024,
+    )
     window: int = setting(1024, "recent push verdicts kept per edge for de-duplication", min=16)
     max_rounds: int = setting(0, "stop after this many rounds (0: serve until stopped)", min=0)
     seed: int = setting(0, "seed of the initial model", min=0)

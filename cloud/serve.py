@@ -124,6 +124,7 @@ def build_gateway(
             rate_bytes_per_s=g.rate_bytes_per_s,
             max_grad_norm=g.max_grad_norm,
             norm_policy=g.norm_policy,
+            model_versions_kept=g.model_versions_kept,
         ),
         weighting=weighting,
         aggregation=aggregation_named(g.aggregation, g.trim),

@@ -69,6 +69,12 @@ class EdgeConfig:
     heartbeat_ms: int = setting(
         1000, "heartbeat interval when idle; silence for 5 of them: reconnect", min=10
     )
+    upload_mbit: float = setting(
+        0.0,
+        "cap on this device's average upload to the gateway, in Mbit/s, so the site keeps the rest "
+        "of its link (0: no cap; the protocol paces itself to the measured link either way)",
+        min=0.0,
+    )
     pack_cap_kib: int = setting(1024, "small layers are packed into one push up to this size", min=0)
     drain_s: float = setting(30.0, "at the end, wait this long for cached gradients to be delivered", min=0.0)
     status_every_s: float = setting(0.0, "print a JSON status line this often (0: only at the end)", min=0.0)

@@ -48,7 +48,14 @@ class LinkMeter:
         self._last_answer = float("-inf")
 
     def answered(self, nbytes: int, sent_at: float, now: float) -> None:
-        """An answer to a message of `nbytes` sent at `sent_at` (on this connection) came now."""
+        """An answer to a message of `nbytes` sent at `sent_at` (on this connection) came now.
+
+        If the link was still busy with the previous answer when this message was sent, the
+        gap between the two answers is this message's time on the link: a sample of the rate.
+        Otherwise the gap also holds the round trip (and any queue in the other direction):
+        a lower bound, used only while nothing better is known or when it is above the estimate.
+        """
+        busy = sent_at <= self._last_answer
         began = max(sent_at, self._last_answer)
         self._last_answer = now
         if nbytes < MIN_SAMPLE_BYTES or now <= began:
@@ -56,7 +63,7 @@ class LinkMeter:
         sample = nbytes / (now - began)
         if not self.measured:
             self.rate, self.measured = sample, True
-        else:
+        elif busy or sample > self.rate:
             self.rate += self.alpha * (sample - self.rate)
 
     def connection_replaced(self) -> None:

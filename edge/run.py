@@ -76,6 +76,7 @@ def session_options(
         curve=curve,
         state_dir=config.state_dir,
         persist_every_s=config.persist_every_s,
+        upload_mbit=config.upload_mbit,
     )
 
 
@@ -273,6 +274,9 @@ def _train(
                         undelivered_steps=status["undelivered_steps"],
                         held_steps=status["held_steps"],
                         cache_bytes=status["cache_bytes"],
+                        models_adopted=status["models_adopted"],
+                        uplink_mbit=status["uplink_mbit"],
+                        downlink_mbit=status["downlink_mbit"],
                         **_totals(status),
                     )
             else:
@@ -303,6 +307,9 @@ def _train(
         dropped_stale_steps=_by_layer(status["metrics"]["edge_dropped_stale_steps_total"]),
         cache_bytes=status["cache_bytes"],
         cache_bound_bytes=status["cache_bound_bytes"],
+        uplink_mbit=status["uplink_mbit"],
+        downlink_mbit=status["downlink_mbit"],
+        download=status["download"],
         link_up=status.get("link_up"),
         link_down=status.get("link_down"),
         models_adopted=agent.models_adopted,

@@ -267,10 +267,17 @@ class EdgeSession:
         self.download = ModelDownload(manifest, options.model_chunk_bytes)
         # Measured rates each way (edge/pacing.py): how much may be queued on the connection, how
         # long answers may take, and so how long silence means a dead link.
-        self.uplink = LinkMeter(initial_bps=2e6, queue_s=2.0)
-        self.downlink = LinkMeter(initial_bps=2e6, queue_s=1.0)
+        # Until measured, assume a slow link (1 Mbit/s): the first transfers are cautious, never
+        # judged failed for being large; the first answers replace the guess.
+        self.uplink = LinkMeter(initial_bps=125e3, queue_s=1.0)
+        self.downlink = LinkMeter(initial_bps=125e3, queue_s=1.0)
         self.upload_cap = UploadCap(options.upload_mbit, clock())
-        self._inflight_bytes = 0  # bytes of outstanding pushes on this connection
+        # Pushes sent on this connection and not answered yet: seq -> (bytes, first send).  They
+        # are in the connection's queue (or the gateway's) whatever their deadlines say; an answer
+        # to anything sent later means they never will be (one FIFO each way), see _covers.
+        self._queued: dict[int, tuple[int, float]] = {}
+        self._queued_bytes = 0
+        self._largest_unit = max((u.numel * u.dtype.itemsize for u in cache.units), default=0)
         self._cap_ready_at = 0.0  # the upload cap holds back the next push until then
         self._flights: dict[int, int] = {}  # seq -> unit
         self._outstanding_n = 0  # flights sent whose deadline has not passed
@@ -630,6 +637,10 @@ class EdgeSession:
         result = self._send(encode(msg), now, track=True)
         self.upload_cap.take(_nbytes(flight), now)
         self.metrics.pushes.inc()
+        if result is not False:
+            nbytes, first = self._queued.get(flight.seq, (0, now))
+            self._queued[flight.seq] = (nbytes + _nbytes(flight), first)
+            self._queued_bytes += _nbytes(flight)
         for name, shape in zip(unit.names, unit.shapes):
             self.metrics.sent_bytes.inc(name, by=math.prod(shape) * unit.dtype.itemsize)
             self.metrics.staleness.observe(name, value=max(0, self.announced - flight.base_version))
@@ -671,9 +682,8 @@ class EdgeSession:
                 flight.outstanding = False
                 self._must_save = True
                 continue
-            flight.outstanding = False
-            self._set_outstanding(flight, True)  # a new flight starts outstanding
-            flight.deadline = self._deadline(0, now)  # its bytes are counted in flight already
+            self._outstanding_n += 1  # a new flight starts outstanding
+            flight.deadline = self._deadline(_nbytes(flight), now)
             if not self._push(u, flight, now):
                 self._mark_weak(u, flight)
 
@@ -733,13 +743,12 @@ class EdgeSession:
         if flight.outstanding != value:
             flight.outstanding = value
             self._outstanding_n += 1 if value else -1
-            self._inflight_bytes += _nbytes(flight) if value else -_nbytes(flight)
 
     def _may_send(self, nbytes: int, now: float) -> bool:
         """Credit, and room on the link: what is queued drains within the uplink's budget, and the cap."""
         if self._outstanding() >= self.credit:
             return False
-        if self._inflight_bytes and self._inflight_bytes + nbytes > self.uplink.budget(nbytes):
+        if self._queued_bytes and self._queued_bytes + nbytes > self.uplink.budget(nbytes):
             return False
         ready = self.upload_cap.ready_at(nbytes, now)
         if ready > now:
@@ -750,7 +759,7 @@ class EdgeSession:
     def _deadline(self, nbytes: int, now: float) -> float:
         """When an answer is overdue: the per-layer deadline plus twice what the link needs for the
         bytes queued ahead and this push (a push slower than that is weak; one merely large is not)."""
-        return now + self.options.timeout_s + 2 * self.uplink.expected_s(self._inflight_bytes + nbytes)
+        return now + self.options.timeout_s + 2 * self.uplink.expected_s(self._queued_bytes + nbytes)
 
     def _resend_weak(self, now: float, sent_before: float = -math.inf) -> None:
         """Weak pushes go again, oldest first, as far as credit allows.
@@ -785,6 +794,9 @@ class EdgeSession:
         return len(self._flights) > self._outstanding_n
 
     def _mark_weak(self, u: int, flight: Flight) -> None:
+        if self.loses_messages and flight.seq in self._queued:
+            # A link that loses messages on a live connection: past its deadline it is presumed lost.
+            self._queued_bytes -= self._queued.pop(flight.seq)[0]
         if flight.outstanding:
             flight.resend_at = flight.last_sent + self.resend_s
         self._set_outstanding(flight, False)
@@ -896,11 +908,12 @@ class EdgeSession:
         if u is not None:
             flight = self.cache.units[u].flight
             if flight is not None:
+                queued = self._queued.get(msg.seq)
+                if queued is not None and msg.attempt == flight.attempts:
+                    self.uplink.answered(_nbytes(flight), queued[1], now)
                 self._covers(flight.last_sent)
                 if flight.attempts and msg.code != Reason.NOT_WELCOMED.value:
                     self._adapt_resend(msg.attempt)
-                if msg.attempt == flight.attempts and flight.last_sent >= self._connected_at:
-                    self.uplink.answered(_nbytes(flight), flight.last_sent, now)
             self._verdict(msg.seq, msg.accepted, msg.code, msg.detail, now, msg.gateway_id, msg.epoch)
         self._settle(msg.verdicts, msg.gateway_id, now)
         self._commit(msg.gateway_id, msg.durable_epoch)
@@ -952,7 +965,15 @@ class EdgeSession:
             self._persist(now, force=True)
 
     def _covers(self, sent_at: float) -> None:
+        """An answer to a request sent at `sent_at` came: on a FIFO link, whatever was sent before
+        and is still unanswered was lost (weak pushes go again, see _resend_weak), and no longer
+        queued on the connection."""
         self._answer_covers = max(self._answer_covers, sent_at)
+        if self._queued and sent_at > -math.inf:
+            for seq, (nbytes, at) in list(self._queued.items()):
+                if at <= sent_at:
+                    del self._queued[seq]
+                    self._queued_bytes -= nbytes
 
     def _adapt_resend(self, applied_attempt: int) -> None:
         """A re-sent push was judged: was the applied copy a re-send (the link loses) or the original?"""
@@ -1043,10 +1064,16 @@ class EdgeSession:
             self.download.start(self.announced)
         # Over TCP a request is answered unless the connection goes (then all are asked anew); a
         # link that loses messages on a live connection needs a timer.
-        reask = max(self.resend_s, 4 * self.downlink.expected_s(self.downlink.budget())) if (
-            self.loses_messages
-        ) else math.inf
-        budget = self.downlink.budget(self.download.chunk_bytes)
+        reask = (
+            max(self.resend_s, 4 * self.downlink.expected_s(self.downlink.budget()))
+            if (self.loses_messages)
+            else math.inf
+        )
+        # Asked for now, answered once the request got past what is queued on the uplink: enough
+        # to keep the downlink busy until the next chance to ask (see the order in _tick).
+        uplink_full = max(self._queued_bytes, self.uplink.budget(self._largest_unit))
+        ahead_s = min(8.0, self.uplink.expected_s(uplink_full))
+        budget = int(self.downlink.budget(self.download.chunk_bytes) * (1.0 + ahead_s))
         for version, offset, length in self.download.requests(budget, now, reask):
             self._send(encode(ModelFetch(version=version, offset=offset, length=length)), now)
 
@@ -1055,6 +1082,7 @@ class EdgeSession:
         model, asked_at = self.download.on_chunk(msg, now)
         if asked_at is not None:
             self.downlink.answered(len(msg.data), asked_at, now)
+            self._covers(asked_at)
             self.metrics.model_bytes.inc(by=len(msg.data))
         if self.download.stats.restarts + self.download.stats.corrupt > restarts:
             self.metrics.download_restarts.inc()
@@ -1099,12 +1127,12 @@ class EdgeSession:
             if flight is not None and flight.outstanding and now >= flight.deadline:
                 self._mark_weak(u, flight)
         covers, self._answer_covers = self._answer_covers, -math.inf
+        # Model requests first: they are small, and would otherwise wait behind the pushes below.
+        self._ask_model(now)
         if self.welcomed and self._has_weak():
             self._resend_weak(now, sent_before=covers)
         self._push_unsent(now)
         self._send_wanted(now)
-        if self.welcomed:
-            self._ask_model(now)
         if now - self._last_recv > self._silence_allowed():
             self._reconnect(now)
         elif self.welcomed and self._has_weak() and now - self._last_probe >= self._probe_s:
@@ -1120,7 +1148,7 @@ class EdgeSession:
     def _silence_allowed(self) -> float:
         """Liveness judged by progress: the heartbeats' allowance, plus what the link needs to carry
         what is queued on it each way (an answer waits behind it), at most a minute more."""
-        queued = self.uplink.expected_s(self._inflight_bytes) + self.downlink.expected_s(
+        queued = self.uplink.expected_s(self._queued_bytes) + self.downlink.expected_s(
             self.download.outstanding_bytes()
         )
         return self.options.heartbeat_s * self.options.liveness + self._grace + min(60.0, queued)
