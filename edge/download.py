@@ -142,8 +142,11 @@ class ModelDownload:
             return None, None
         i, rem = divmod(msg.offset, self.chunk_bytes)
         if rem or i >= self.chunks or len(msg.data) != self._chunk_len(i):
-            log.warning("model chunk at offset %d of %d bytes does not fit this edge's chunking: ignored",
-                        msg.offset, len(msg.data))
+            log.warning(
+                "model chunk at offset %d of %d bytes does not fit this edge's chunking: ignored",
+                msg.offset,
+                len(msg.data),
+            )
             return None, None
         asked_at = self._asked.pop(i, None)
         if self._have[i]:
