@@ -106,3 +106,65 @@ def test_convergence_benchmark_writes_its_csv_plot_and_figures(tmp_path: Path) -
         assert abs(float(last["accuracy"]) - acc) < 1e-4
     with open(figures["plot"], "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+@pytest.mark.netns
+def test_wan_benchmark_quick_reports_consistent_figures(tmp_path: Path) -> None:
+    """benchmarks/wan.py --quick: every key, the count audit, and figures that agree with its CSV.
+
+    Not the project's targets (those need the default size); only that the instrument is sound.
+    """
+    result = subprocess.run(
+        [sys.executable, "benchmarks/wan.py", "--quick", "--out-dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    if "skipped" in figures:
+        pytest.skip(f"no network namespaces here: {figures['skipped']}")
+    report = result.stdout[-6000:]
+    rates = ("capped_models_per_edge_per_min", "reconnects_per_edge_per_min", "stale_dropped_share")
+    for key in rates:
+        assert isinstance(figures[key], (int, float)) and figures[key] >= 0, (key, report)
+    assert figures["stale_dropped_share"] <= 1
+    bpb = ("capped_final_bpb", "uncapped_final_bpb", "fedavg_final_bpb", "initial_bpb", "target_bpb")
+    for key in bpb:  # null only for a model whose parameters went NaN
+        assert figures[key] is None or isinstance(figures[key], float), (key, report)
+    for key in ("capped_reached_target", "audit_exact", "target_below_initial"):
+        assert isinstance(figures[key], bool), key
+    assert figures["audit_exact"] is True, report
+    assert isinstance(figures["fedavg_time_to_target_ratio"], float)
+    budget = figures["budget_s"]
+    if figures["uncapped_final_bpb"] is not None:
+        assert figures["target_bpb"] == pytest.approx(figures["uncapped_final_bpb"] * 1.10, abs=1e-3)
+    ours, theirs = figures["capped_time_to_target_s"], figures["fedavg_time_to_target_s"]
+    assert figures["capped_reached_target"] == (ours is not None)
+    ours_or_budget = budget if ours is None else ours
+    expected = (budget if theirs is None else theirs) / ours_or_budget if ours_or_budget > 0 else 1.0
+    assert figures["fedavg_time_to_target_ratio"] == pytest.approx(expected, abs=2e-3)
+
+    with open(figures["csv"]) as f:
+        rows = list(csv.DictReader(f))
+    by_run: dict[str, list[dict[str, str]]] = {}
+    for row in rows:
+        by_run.setdefault(row["contender"], []).append(row)
+    assert set(by_run) == {"elasticfed uncapped", "elasticfed capped", "fedavg capped"}
+    finals = {
+        "elasticfed uncapped": "uncapped_final_bpb",
+        "elasticfed capped": "capped_final_bpb",
+        "fedavg capped": "fedavg_final_bpb",
+    }
+    for name, points in by_run.items():
+        seconds = [float(p["seconds"]) for p in points]
+        assert seconds[0] == 0.0 and seconds == sorted(seconds) and seconds[-1] <= budget + 5, name
+        # Every contender starts from the same seed model, whose figure is initial_bpb.
+        assert float(points[0]["bits_per_byte"]) == pytest.approx(figures["initial_bpb"], abs=1e-3), name
+        if figures[finals[name]] is not None:  # the CSV's last point is the JSON's final figure
+            assert float(points[-1]["bits_per_byte"]) == pytest.approx(figures[finals[name]], abs=1e-3)
+    if ours is not None:  # the time to target is the first capped point at or under it
+        capped = by_run["elasticfed capped"]
+        first = next(p for p in capped if float(p["bits_per_byte"]) <= figures["target_bpb"])
+        assert float(first["seconds"]) == pytest.approx(ours, abs=0.1)
+    with open(figures["plot"], "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
