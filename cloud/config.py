@@ -214,7 +214,10 @@ class DemoConfig:
         min=0.0,
     )
     partition: str = setting(
-        "iid", "how the edges split the data: iid or shards (non-IID)", choices=("iid", "shards")
+        "iid",
+        "how the edges split the data: iid, shards (by label) or package (by top-level package, "
+        "stdlib-lm); the last two are non-IID",
+        choices=("iid", "shards", "package"),
     )
     weighting: str = setting(
         "progress",

@@ -7,6 +7,7 @@ from typing import Any
 
 from common.config import setting
 from common.link import Faults
+from common.tasks import BUILT_IN
 
 _TASK = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
 _TCP = re.compile(r"^tcp://(\*|\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
@@ -15,10 +16,10 @@ _COMPRESSION = re.compile(r"^(none|fp16|bf16|topk:(0?\.\d+|1(\.0*)?)|powersgd:[1
 
 
 def task_spec(value: str) -> str | None:
-    """`package.module:function`, the way a user's task plugs in."""
-    if not _TASK.match(value):
-        return "must look like 'package.module:function'"
-    return None
+    """A built-in's short name, or `package.module:function`, the way a user's task plugs in."""
+    if value in BUILT_IN or _TASK.match(value):
+        return None
+    return f"must be a built-in task ({', '.join(BUILT_IN)}) or look like 'package.module:function'"
 
 
 def tcp_endpoint(value: str) -> str | None:
@@ -79,7 +80,9 @@ def log_format_setting() -> Any:
 
 def task_setting() -> Any:
     return setting(
-        "common.tasks.digits:task", "user task as module:function (model, data, loss)", check=task_spec
+        "digits",
+        f"built-in task ({', '.join(BUILT_IN)}) or a user task as module:function (model, data, loss)",
+        check=task_spec,
     )
 
 

@@ -1,8 +1,8 @@
 """What a user plugs in on every role: model, data, loss and evaluation, as `module:function`.
 
-The function takes no arguments and returns a `Task`.  The digits task
-(`common.tasks.digits:task`) is the embedded default and goes through exactly
-this path; it is not a special case anywhere.
+The function takes no arguments and returns a `Task`.  The embedded tasks
+(common/tasks/) go through exactly this path; their short names (`digits`,
+`stdlib-lm`, `stdlib-lm-base`) only spell their `module:function`.
 """
 
 from __future__ import annotations
@@ -10,10 +10,13 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset
+
+from common.tasks import BUILT_IN
 
 
 def accuracy(model: nn.Module, data: Dataset, batch_size: int = 512) -> float:
@@ -30,9 +33,19 @@ def accuracy(model: nn.Module, data: Dataset, batch_size: int = 512) -> float:
     return right / max(total, 1)
 
 
+def percent(value: float) -> str:
+    return f"{value:.2%}"
+
+
 @dataclass(frozen=True)
 class Task:
-    """A training task: every field is a callable so nothing heavy happens at import time."""
+    """A training task: every field is a callable so nothing heavy happens at import time.
+
+    `evaluate` returns the task's own figure, named `metric` (`metric_label` on
+    narrow lines); reports print it with `format_metric` and its direction.
+    `sample(model)`, when given, returns a few bytes the model generates (a
+    language model's way of showing what it learnt).
+    """
 
     name: str
     build_model: Callable[[], nn.Module]
@@ -43,6 +56,23 @@ class Task:
     batch_size: int = 32
     lr: float = 0.05
     momentum: float = 0.9
+    metric: str = "accuracy"
+    metric_label: str = "acc"
+    higher_is_better: bool = True
+    format_metric: Callable[[float], str] = percent
+    sample: Callable[[nn.Module], bytes] | None = None
+
+    @property
+    def direction(self) -> str:
+        return "higher is better" if self.higher_is_better else "lower is better"
+
+    def describe(self, value: float) -> str:
+        """E.g. 'accuracy 95.00% (higher is better)': the figure, never without its name and direction."""
+        return f"{self.metric.replace('_', ' ')} {self.format_metric(value)} ({self.direction})"
+
+    def figures(self, value: float) -> dict[str, object]:
+        """JSON fields naming the figure: the value under the metric's own name, and which way is better."""
+        return {"metric": self.metric, self.metric: value, "metric_higher_is_better": self.higher_is_better}
 
 
 class TaskError(ValueError):
@@ -50,7 +80,13 @@ class TaskError(ValueError):
 
 
 def load_task(spec: str) -> Task:
-    """Import `package.module:function` and call it; the result must be a Task."""
+    """A built-in's short name, or `package.module:function` to import and call; the result must be a Task."""
+    if ":" not in spec:
+        if spec not in BUILT_IN:
+            raise TaskError(
+                f"task {spec!r}: not a built-in task ({', '.join(BUILT_IN)}) nor 'package.module:function'"
+            )
+        spec = BUILT_IN[spec]
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise TaskError(f"task {spec!r}: expected 'package.module:function'")
@@ -69,12 +105,26 @@ def load_task(spec: str) -> Task:
     return task
 
 
-def shard(data: Dataset, index: int, parts: int, partition: str = "iid", seed: int = 0) -> Dataset:
-    """Part `index` of `parts` of a labelled data set, the way a fleet's devices would hold it.
+@runtime_checkable
+class Grouped(Protocol):
+    """A data set whose examples belong to named groups (a language model's: top-level packages)."""
 
-    `iid`: a seeded shuffle cut into equal parts.  `shards`: examples sorted by
-    label, cut into 2 x parts slices, and each device gets two of them, so most
-    devices see two or three classes (McMahan et al.'s non-IID split).
+    def groups(self) -> list[str]:
+        """The group of every example, in order."""
+        ...
+
+
+PARTITIONS = ("iid", "shards", "package")
+
+
+def shard(data: Dataset, index: int, parts: int, partition: str = "iid", seed: int = 0) -> Dataset:
+    """Part `index` of `parts` of a data set, the way a fleet's devices would hold it.
+
+    `iid`: a seeded shuffle cut into equal parts.  `shards` (one label per
+    example): examples sorted by label, cut into 2 x parts slices, and each
+    device gets two of them, so most devices see two or three classes
+    (McMahan et al.'s non-IID split).  `package` (a `Grouped` data set): each
+    device owns whole groups, none shared, balanced by example count.
     """
     if not 0 <= index < parts:
         raise ValueError(f"shard {index} of {parts} does not exist")
@@ -83,11 +133,40 @@ def shard(data: Dataset, index: int, parts: int, partition: str = "iid", seed: i
     if partition == "iid":
         order = torch.randperm(n, generator=gen)
         return torch.utils.data.Subset(data, order[index::parts].tolist())
+    if partition == "package":
+        return _by_group(data, index, parts, seed)
     if partition != "shards":
-        raise ValueError(f"partition {partition!r} is not iid or shards")
+        raise ValueError(f"partition {partition!r} is not one of {', '.join(PARTITIONS)}")
+    if n and torch.as_tensor(data[0][1]).numel() != 1:
+        raise ValueError(
+            "partition 'shards' sorts examples by their label, and this data set's targets are not one "
+            "label each; use iid" + (" or package" if isinstance(data, Grouped) else "")
+        )
     labels = torch.tensor([int(data[i][1]) for i in range(n)])
     by_label = torch.argsort(labels * n + torch.randperm(n, generator=gen), stable=True)
     slices = torch.tensor_split(by_label, 2 * parts)
     pick = torch.randperm(2 * parts, generator=torch.Generator().manual_seed(seed + 1))
     mine = torch.cat([slices[int(pick[2 * index])], slices[int(pick[2 * index + 1])]])
     return torch.utils.data.Subset(data, mine.tolist())
+
+
+def _by_group(data: Dataset, index: int, parts: int, seed: int) -> Dataset:
+    """Whole groups per part: largest first onto the lightest part, the parts' order then seeded."""
+    if not isinstance(data, Grouped):
+        raise ValueError(
+            f"partition 'package' needs a data set that names each example's group (a groups() method); "
+            f"{type(data).__name__} does not: use iid or shards"
+        )
+    members: dict[str, list[int]] = {}
+    for i, group in enumerate(data.groups()):
+        members.setdefault(group, []).append(i)
+    if len(members) < parts:
+        raise ValueError(f"partition 'package': {len(members)} groups cannot fill {parts} parts")
+    load = [0] * parts
+    owned: list[list[str]] = [[] for _ in range(parts)]
+    for group in sorted(members, key=lambda g: (-len(members[g]), g)):
+        lightest = min(range(parts), key=lambda p: (load[p], p))
+        load[lightest] += len(members[group])
+        owned[lightest].append(group)
+    mine = owned[int(torch.randperm(parts, generator=torch.Generator().manual_seed(seed))[index])]
+    return torch.utils.data.Subset(data, sorted(i for g in mine for i in members[g]))

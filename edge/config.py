@@ -38,8 +38,9 @@ class EdgeTrain:
     )
     partition: str = setting(
         "iid",
-        "how shards split the data: iid, or shards (two label-sorted slices each: non-IID)",
-        choices=("iid", "shards"),
+        "how shards split the data: iid, shards (two label-sorted slices each: non-IID), or package "
+        "(whole top-level packages each, for stdlib-lm: non-IID)",
+        choices=("iid", "shards", "package"),
     )
 
 
