@@ -27,16 +27,23 @@ class GatewaySettings:
         1.0, "scale a contribution by this to the power of its staleness (1: none)", min=0.001, max=1.0
     )
     weighting: str = setting(
-        "success",
-        "how contributions are averaged: success (sum / step count, DESIGN section 6) or progress "
-        "(FedAvg: mean of the edges' local moves; keeps local progress over very lossy links)",
-        choices=("success", "progress"),
+        "progress",
+        "how contributions are averaged: progress (FedBuff's buffered rule: the mean of the edges' "
+        "local moves over max(contributions, quorum); keeps local progress over lossy and slow links) "
+        "or success (sum / step count: a contribution of many steps becomes one mean step)",
+        choices=("progress", "success"),
     )
     edge_lr: float = setting(
         0.0, "the edges' local learning rate, which weighting=progress needs (0: the task's)", min=0.0
     )
     lr: float = setting(0.0, "learning rate of the gateway's SGD on the averages (0: the task's)", min=0.0)
-    momentum: float = setting(0.9, "momentum of the gateway's SGD", min=0.0, max=0.999)
+    momentum: float = setting(
+        0.0,
+        "momentum of the gateway's SGD on the buffered update (0: the update is the edges' mean move, "
+        "as in FedAvg; momentum on top of moves of hundreds of local steps overshoots)",
+        min=0.0,
+        max=0.999,
+    )
     lr_decay_rounds: int = setting(
         0, "decay the learning rate along a cosine over this many rounds, to 5% (0: constant)", min=0
     )

@@ -93,6 +93,11 @@ VERDICTS_PER_ANSWER = 64
 
 NORM_POLICIES = ("clip", "reject")
 
+# Staleness admission on slow links (Gateway._avoidable_staleness): an edge that asked for a model
+# chunk within this long is downloading; and nothing older than this many times max_staleness.
+FETCH_GRACE_S = 30.0
+HARD_STALENESS_FACTOR = 4
+
 
 class ModelUpdate(Protocol):
     """Where a closed round's per-layer averages go: the one point standalone and hybrid differ."""
@@ -259,6 +264,10 @@ class ClientState:
     # The newest epoch among applied verdicts forgotten below the floor: a duplicate from down
     # there was applied in a checkpoint up to it (see _on_push).
     forgotten_epoch: int = 0
+    # The model version this edge is downloading (chunks served), and when it last asked: on a
+    # slow link, versions published during a download are ones it could not have had (_on_push).
+    fetching: int = 0
+    fetched_at: float = float("-inf")
 
     def record(self, seq: int, code: str, attempt: int, epoch: int = 0) -> None:
         self.verdicts[seq] = (code, attempt, epoch)
@@ -571,7 +580,7 @@ class Gateway:
                 ),
             )
         elif isinstance(msg, ModelFetch):
-            self._on_model_fetch(route, msg)
+            self._on_model_fetch(route, state, msg, now)
         elif isinstance(msg, ModelRequest):
             self._on_model_request(route, msg)
         else:
@@ -683,7 +692,7 @@ class Gateway:
             return
         staleness = max(0, self.served_version - msg.base_version)
         self.metrics.staleness.observe(cid, value=staleness)
-        if not self.weighting.admit(staleness):
+        if not self.weighting.admit(self._avoidable_staleness(state, msg.base_version, now)):
             for layer in msg.layers:
                 self.metrics.dropped_stale.inc(cid, layer.name, by=layer.count)
             state.record(msg.seq, Reason.STALE.value, msg.attempt)
@@ -755,7 +764,25 @@ class Gateway:
         layers = tuple(LayerTensor(n, Dense(params[n])) for n in self.names)
         self._reply(route, Model(version=version, full=True, layers=layers))
 
-    def _on_model_fetch(self, route: bytes, msg: ModelFetch) -> None:
+    def _avoidable_staleness(self, state: ClientState, base_version: int, now: float) -> int:
+        """Versions behind that the edge could have avoided: what admission (max_staleness) judges.
+
+        An edge part-way through downloading version v could not have trained from anything
+        newer: versions published since it started are the link's doing, not the edge's, and
+        dropping its work for them would stall a fleet whose downloads take longer than
+        `max_staleness` rounds.  Those pushes are still weighed by their whole staleness.  An
+        edge that stopped downloading (FETCH_GRACE_S) is judged against the newest version, and
+        nothing is admitted beyond HARD_STALENESS_FACTOR x max_staleness whatever the link.
+        """
+        newest = self.served_version
+        whole = max(0, newest - base_version)
+        if now - state.fetched_at > FETCH_GRACE_S or state.fetching >= newest:
+            return whole
+        if not self.weighting.admit(whole // HARD_STALENESS_FACTOR):
+            return whole
+        return max(0, state.fetching - base_version)
+
+    def _on_model_fetch(self, route: bytes, state: ClientState, msg: ModelFetch, now: float) -> None:
         """A slice of a served version (the newest if that one is gone); the edge paces these."""
         with self._served_lock:
             newest = self._newest_served()
@@ -764,7 +791,7 @@ class Gateway:
                 served = newest  # forgotten: the edge starts over on the newest
             else:
                 self._served.move_to_end(served.version)  # recently fetched: kept longest
-                self._served.move_to_end(newest.version)  # ... but never before the newest
+        state.fetching, state.fetched_at = served.version, now
         size = served.blob.numel()
         start = min(msg.offset, size)
         end = min(size, start + min(msg.length, self.options.max_chunk_bytes))
@@ -775,7 +802,7 @@ class Gateway:
         )
 
     def _newest_served(self) -> ServedModel:
-        return self._newest  # under _served_lock; kept at the end of the order, never forgotten
+        return self._newest  # under _served_lock; never forgotten
 
     # --------------------------------------------------------------------- rounds
     def maybe_close_round(self) -> RoundSummary | None:
@@ -896,7 +923,8 @@ class Gateway:
             self._served[version] = served
             self._newest = served
             while len(self._served) > self.options.model_versions_kept:
-                self._served.popitem(last=False)
+                # The least recently published or fetched, never the newest.
+                del self._served[next(v for v in self._served if v != version)]
         return version, blob.unpack(self.manifest, data)
 
     # ---------------------------------------------------------------------- replies

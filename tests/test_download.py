@@ -1,0 +1,280 @@
+"""Chunked model downloads and link pacing, without sockets; then the gateway's side over a real one.
+
+`ModelDownload` and `LinkMeter` are pure: the session sends what they say and
+feeds them what arrives, so every property here is checked by driving them by
+hand: assembly, the byte budget, resumption after a lost connection (never from
+zero), a version the gateway stopped serving, corrupt blobs, rates measured
+from answer timings.  The gateway part drives `ModelFetch` by hand against a
+real gateway, and checks the staleness admission that keeps a fleet with slow
+downloads from stalling.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import pytest
+import torch
+from test_gateway import Peer, grads_for
+from torch import nn
+
+from cloud.aggregation import DeadlineQuorum, SuccessWeighted
+from cloud.gateway import Gateway, GatewayOptions
+from edge.download import ModelDownload
+from edge.pacing import LinkMeter, UploadCap
+from protocol import Manifest, ModelChunk, ModelFetch, Reason, blob, decode, encode
+
+CHUNK = 1024
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(40, 30), nn.ReLU(), nn.Linear(30, 7))  # 1,447 parameters
+
+
+def served(model: nn.Module, version: int) -> tuple[Manifest, torch.Tensor, int]:
+    manifest = Manifest.from_parameters(model.named_parameters())
+    data = blob.pack(manifest, dict(model.named_parameters()))
+    return manifest, data, blob.digest(data)
+
+
+def answer(data: torch.Tensor, digest: int, version: int, offset: int, length: int) -> ModelChunk:
+    """What a gateway sends for a request, through the codec (as it would come off the wire)."""
+    end = min(len(data), offset + length)
+    chunk = ModelChunk(
+        version=version, size=len(data), digest=digest, offset=offset, data=data.numpy()[offset:end].data
+    )
+    msg = decode([bytes(f) for f in encode(chunk)])
+    assert isinstance(msg, ModelChunk)
+    return msg
+
+
+def test_a_download_assembles_the_served_model_exactly_within_its_byte_budget() -> None:
+    model = make_model()
+    manifest, data, digest = served(model, 3)
+    download = ModelDownload(manifest, CHUNK)
+    download.start(3)
+    finished = None
+    now = 0.0
+    while finished is None:
+        asks = download.requests(budget_bytes=3 * CHUNK, now=now, reask_after_s=math.inf)
+        assert asks, "a download that is not finished always has something to ask for"
+        assert download.outstanding_bytes() <= 3 * CHUNK
+        for version, offset, length in asks:
+            assert version == 3 and offset % CHUNK == 0 and 0 < length <= CHUNK
+            finished, _ = download.on_chunk(answer(data, digest, 3, offset, length), now)
+        now += 0.1
+    assert finished.version == 3 and finished.full
+    params = dict(model.named_parameters())
+    assert [layer.name for layer in finished.layers] == [spec.name for spec in manifest]
+    for layer in finished.layers:
+        assert torch.equal(layer.payload.tensor, params[layer.name].detach())
+    assert download.stats.bytes == manifest.blob_bytes and download.stats.duplicates == 0
+    assert not download.active
+
+
+def test_a_lost_connection_asks_only_for_what_is_missing() -> None:
+    manifest, data, digest = served(make_model(), 1)
+    download = ModelDownload(manifest, CHUNK)
+    download.start(1)
+    got = 0
+    finished = None
+    cuts = 0
+    while finished is None:
+        asks = download.requests(budget_bytes=2 * CHUNK, now=0.0, reask_after_s=math.inf)
+        # Only the first request of each batch is answered; then the connection goes.
+        version, offset, length = asks[0]
+        finished, _ = download.on_chunk(answer(data, digest, version, offset, length), 0.0)
+        got += length
+        if finished is None:
+            download.connection_lost()
+            cuts += 1
+    assert cuts >= 3
+    assert got == manifest.blob_bytes  # every byte came once: never restarted from zero
+    assert download.stats.resumed == cuts and download.stats.restarts == 0
+
+
+def test_a_version_the_gateway_no_longer_serves_starts_over_on_the_one_it_does() -> None:
+    manifest, old, old_digest = served(make_model(0), 1)
+    _, new, new_digest = served(make_model(1), 5)
+    download = ModelDownload(manifest, CHUNK)
+    download.start(1)
+    first = download.requests(budget_bytes=CHUNK, now=0.0, reask_after_s=math.inf)[0]
+    download.on_chunk(answer(old, old_digest, 1, first[1], first[2]), 0.0)
+    second = download.requests(budget_bytes=CHUNK, now=0.0, reask_after_s=math.inf)[0]
+    # Asked for version 1; the gateway forgot it and answers from version 5.
+    finished, _ = download.on_chunk(answer(new, new_digest, 5, second[1], second[2]), 0.0)
+    assert finished is None and download.version == 5 and download.stats.restarts == 1
+    # A late chunk of version 1 changes nothing.
+    download.on_chunk(answer(old, old_digest, 1, 0, CHUNK), 0.0)
+    assert download.version == 5
+    while finished is None:
+        for version, offset, length in download.requests(4 * CHUNK, 0.0, math.inf):
+            assert version == 5
+            finished, _ = download.on_chunk(answer(new, new_digest, 5, offset, length), 0.0)
+    assert finished.version == 5
+    assert torch.equal(blob.pack(manifest, {x.name: x.payload.tensor for x in finished.layers}), new)
+
+
+def test_a_blob_that_fails_its_digest_or_holds_nan_is_never_adopted() -> None:
+    manifest, data, digest = served(make_model(), 2)
+    download = ModelDownload(manifest, CHUNK)
+    download.start(2)
+    finished = None
+    for _version, offset, length in download.requests(10**9, 0.0, math.inf):
+        finished, _ = download.on_chunk(answer(data, digest ^ 1, 2, offset, length), 0.0)
+    assert finished is None and download.stats.corrupt == 1 and download.active  # asked again
+    poisoned = data.clone()
+    poisoned[:4].view(torch.float32)[0] = float("nan")  # the first layer's first value
+    download.start(2)
+    for _version, offset, length in download.requests(10**9, 0.0, math.inf):
+        finished, _ = download.on_chunk(answer(poisoned, blob.digest(poisoned), 2, offset, length), 0.0)
+    assert finished is None and download.stats.corrupt == 2
+
+
+def test_chunks_that_do_not_fit_are_ignored() -> None:
+    manifest, data, digest = served(make_model(), 1)
+    download = ModelDownload(manifest, CHUNK)
+    download.start(1)
+    download.requests(CHUNK, 0.0, math.inf)
+    for bad in (
+        answer(data, digest, 1, 10, CHUNK),  # not at a chunk boundary
+        answer(data, digest, 1, 0, CHUNK - 1),  # short
+    ):
+        assert download.on_chunk(bad, 0.0) == (None, None)
+    other_size = ModelChunk(version=1, size=len(data) + 8, digest=digest, offset=0, data=memoryview(b"x" * 8))
+    assert download.on_chunk(other_size, 0.0) == (None, None)
+    assert download.stats.chunks == 0
+
+
+def test_requests_are_asked_again_only_after_the_re_ask_interval() -> None:
+    manifest, _, _ = served(make_model(), 1)
+    download = ModelDownload(manifest, CHUNK)
+    download.start(1)
+    asked = download.requests(2 * CHUNK, now=0.0, reask_after_s=1.0)
+    assert len(asked) == 2
+    assert download.requests(2 * CHUNK, now=0.5, reask_after_s=1.0) == []
+    assert sorted(download.requests(2 * CHUNK, now=1.0, reask_after_s=1.0)) == sorted(asked)
+
+
+def test_the_meter_measures_a_busy_fifo_link_and_ignores_idle_gaps() -> None:
+    meter = LinkMeter(initial_bps=1e3)
+    assert meter.budget(5000) == 256 * 1024  # the floor, until measured
+    rate = 1.25e6  # 10 Mbit/s
+    size = 256 * 1024
+    # Four messages sent at once: each answer comes one message's link time after the previous.
+    for i in range(4):
+        meter.answered(size, sent_at=0.0, now=0.05 + (i + 1) * size / rate)
+    assert meter.rate == pytest.approx(rate, rel=0.2)
+    # After an idle minute, one message: its gap holds the round trip too (a lower bound), ignored.
+    meter.answered(size, sent_at=100.0, now=100.0 + 5 * size / rate)
+    assert meter.rate == pytest.approx(rate, rel=0.2)
+    assert meter.expected_s(int(rate)) == pytest.approx(1.0, rel=0.2)
+    assert meter.budget(10 * 2**20) == 10 * 2**20  # one message larger than the budget still goes
+    small = LinkMeter(initial_bps=1e3)
+    small.answered(100, sent_at=0.0, now=1.0)  # a small answer times the round trip, not the link
+    assert not small.measured
+
+
+def test_the_upload_cap_holds_the_average_rate() -> None:
+    cap = UploadCap(mbit=4.0, now=0.0)
+    now, sent = 0.0, 0
+    while now < 20.0:
+        ready = cap.ready_at(300_000, now)
+        now = max(now, ready)
+        cap.take(300_000, now)
+        sent += 300_000
+    assert sent * 8 / 1e6 / now <= 4.0 * 1.05
+    assert not UploadCap(0.0, 0.0).active
+    with pytest.raises(ValueError, match="upload cap"):
+        UploadCap(-1.0, 0.0)
+
+
+# ---------------------------------------------------------------- the gateway's side
+
+
+@pytest.fixture
+def gateway() -> Iterator[Gateway]:
+    model = make_model()
+    gw = Gateway(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        GatewayOptions(bind="tcp://127.0.0.1:0", model_versions_kept=2, max_chunk_bytes=2048),
+        weighting=SuccessWeighted(max_staleness=1),
+        rounds=DeadlineQuorum(deadline_s=60.0, quorum=1),
+    )
+    gw.bind()
+    yield gw
+    gw.close()
+
+
+def fetch(peer: Peer, version: int, offset: int, length: int) -> ModelChunk:
+    peer.send(ModelFetch(version=version, offset=offset, length=length))
+    chunk = peer.recv()
+    assert isinstance(chunk, ModelChunk), chunk
+    return chunk
+
+
+def test_the_gateway_serves_slices_of_kept_versions_and_the_newest_for_a_forgotten_one(
+    gateway: Gateway,
+) -> None:
+    peer = Peer(gateway, "a")
+    peer.hello(gateway.manifest)
+    v0 = blob.pack(gateway.manifest, gateway.snapshot())
+    chunk = fetch(peer, 0, 1024, 10**6)  # 0: the newest; the length is capped by max_chunk_bytes
+    assert chunk.version == 0 and chunk.size == len(v0) and len(chunk.data) == 2048
+    assert bytes(chunk.data) == v0.numpy()[1024:3072].tobytes() and chunk.digest == blob.digest(v0)
+    for version in (1, 2, 3):
+        assert peer.push(version, grads_for(gateway, 0.1), base=version - 1).accepted
+        gateway.poll_once(0.0)
+    assert gateway.served_version == 3
+    # Two versions kept: 3 (newest) and 2; version 0 is gone, and its request gets version 3.
+    assert fetch(peer, 2, 0, 1024).version == 2
+    late = fetch(peer, 0 + 1, 0, 1024)
+    assert late.version == 3
+    assert fetch(peer, 3, len(v0) + 10, 1024).data.nbytes == 0  # past the end: nothing, no error
+
+
+def test_a_version_an_edge_is_fetching_is_kept_while_newer_ones_come_and_go(gateway: Gateway) -> None:
+    slow, fast = Peer(gateway, "slow"), Peer(gateway, "fast")
+    slow.hello(gateway.manifest)
+    fast.hello(gateway.manifest)
+    assert fast.push(1, grads_for(gateway, 0.1), base=0).accepted
+    gateway.poll_once(0.0)
+    assert fetch(slow, 1, 0, 1024).version == 1
+    for version in range(2, 7):  # two versions kept; five more published while "slow" fetches 1
+        assert fast.push(version, grads_for(gateway, 0.1), base=version - 1).accepted
+        gateway.poll_once(0.0)
+        assert fetch(slow, 1, 1024, 1024).version == 1
+    assert gateway.served_version == 6
+    # Versions nobody fetched went first: 5 is gone (asking for it gets the newest), 1 and 6 stay.
+    assert fetch(fast, 5, 0, 1024).version == 6
+    assert fetch(slow, 1, 2048, 1024).version == 1
+
+
+def test_pushes_of_an_edge_still_downloading_are_not_dropped_for_versions_it_could_not_have(
+    gateway: Gateway,
+) -> None:
+    slow, fast = Peer(gateway, "slow"), Peer(gateway, "fast")
+    slow.hello(gateway.manifest)
+    fast.hello(gateway.manifest)
+    for version in (1, 2, 3):  # the fleet moves on while "slow" downloads version 1, chunk by chunk
+        assert fast.push(version, grads_for(gateway, 0.1), base=version - 1).accepted
+        gateway.poll_once(0.0)
+        assert fetch(slow, 1, 1024 * (version - 1), 1024).version == 1
+    assert gateway.served_version == 3
+    # Based on version 0 while downloading 1: 1 version it could have avoided (max_staleness 1).
+    assert slow.push(1, grads_for(gateway, 0.1), base=0).accepted
+    assert gateway.metrics.staleness.summary("slow")["max"] == 3  # weighed by its whole staleness
+    # "fast" downloads nothing: 3 versions behind is too stale.
+    stale = fast.push(4, grads_for(gateway, 0.1), base=0)
+    assert not stale.accepted and stale.code == Reason.STALE.value
+    # Nor is anything admitted beyond 4 x max_staleness, downloading or not.
+    for version in range(4, 10):
+        assert fast.push(version + 1, grads_for(gateway, 0.1), base=version - 1).accepted
+        gateway.poll_once(0.0)
+        fetch(slow, 1, 0, 1024)
+    assert gateway.served_version >= 8
+    far = slow.push(2, grads_for(gateway, 0.1), base=0)
+    assert not far.accepted and far.code == Reason.STALE.value
