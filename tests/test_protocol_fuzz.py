@@ -24,6 +24,8 @@ from protocol import (
     LowRank,
     Manifest,
     Model,
+    ModelChunk,
+    ModelFetch,
     ModelRequest,
     ProtocolError,
     Push,
@@ -70,6 +72,8 @@ def seed_messages() -> list[list[bytes]]:
         ModelRequest(3, ("a",)),
         Model(4, False, (LayerTensor("b", Dense(torch.randn(5, generator=gen))),)),
         Heartbeat(99, True),
+        ModelFetch(4, 2048, 1024),
+        ModelChunk(4, 4096, 2**63 + 5, 2048, bytes(range(256)) * 4),
     ]
     return [[bytes(f) for f in encode(m)] for m in msgs]
 

@@ -327,3 +327,34 @@ def test_socket_refuses_oversized_frames_before_they_reach_the_decoder() -> None
         for sock in [router, *senders]:
             sock.close()
         ctx.term()
+
+
+def _chunk_frames() -> list[bytes]:
+    from protocol import ModelChunk
+
+    return [bytes(f) for f in encode(ModelChunk(version=2, size=64, digest=7, offset=0, data=b"\x01" * 32))]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "reason"),
+    [
+        (lambda h, fr: h["data"].update(len=31), Reason.FRAME_SIZE),  # the header lies about the length
+        (lambda h, fr: h["data"].update(xxh=h["data"]["xxh"] ^ 1), Reason.CHECKSUM),
+        (lambda h, fr: h["data"].update(extra=1), Reason.BAD_FIELD),
+        (lambda h, fr: h.update(data=[32, 0]), Reason.BAD_FIELD),
+        (lambda h, fr: fr.pop(), Reason.FRAME_COUNT),  # the frame itself is missing
+        (lambda h, fr: fr.append(b"more"), Reason.FRAME_COUNT),
+        (lambda h, fr: h.update(digest="7"), Reason.BAD_FIELD),
+        (lambda h, fr: h.update(digest=-1), Reason.BAD_FIELD),
+    ],
+)
+def test_a_model_chunk_s_raw_frame_is_checked_against_its_header(
+    mutate: Callable[[dict, list[bytes]], object], reason: Reason
+) -> None:
+    frames = _chunk_frames()
+    header = msgpack.unpackb(frames[0])
+    mutate(header, frames)
+    frames[0] = msgpack.packb(header)
+    with pytest.raises(ProtocolError) as err:
+        decode(frames)
+    assert err.value.reason == reason, err.value
