@@ -252,6 +252,7 @@ def run_elasticfed(
     root.setLevel(logging.INFO)
     lab = Lab.create()
     workers: list[Worker] = []
+    stop = threading.Event()  # the gateway thread's
     try:
         nets = [lab.add_edge() for _ in range(edges)]
         for net in nets:
@@ -280,7 +281,6 @@ def run_elasticfed(
         checkpoints.restore(gateway)
         endpoint = gateway.bind()
         port = endpoint.rsplit(":", 1)[1]
-        stop = threading.Event()
         serving = threading.Thread(target=gateway.serve, args=(stop,), name="gateway", daemon=True)
         serving.start()
         for i, net in enumerate(nets):
@@ -362,6 +362,7 @@ def run_elasticfed(
             "duplicates": int(sum(status["metrics"].get("gateway_duplicates_total", {}).values())),
         }
     finally:
+        stop.set()
         for w in workers:
             if w.proc.poll() is None:
                 w.proc.kill()
@@ -542,7 +543,10 @@ def plot(runs: list[Contender], target: float, path: Path, title: str) -> str | 
         target, color="grey", lw=0.8, ls=":", label=f"target {target:.3f} (uncapped final x {TARGET_FACTOR})"
     )
     initial = runs[0].points[0].bpb
-    if math.isfinite(initial):  # a diverging run leaves the plot at the top instead of flattening the rest
+    finite = [p.bpb for run in runs for p in run.points if math.isfinite(p.bpb)] + [target]
+    if math.isfinite(initial) and max(finite) > 1.5 * initial:
+        ax.set_yscale("log")  # a diverging run (or target) would flatten the others on a linear axis
+    elif math.isfinite(initial):
         ax.set_ylim(0, initial * 1.25)
     ax.set_xlabel("seconds since the contender's first worker was ready")
     ax.set_ylabel("bits per byte on held-out stdlib files (lower is better)")
@@ -563,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
         "--edges", type=int, default=None, help="edges / FedAvg clients (default 4; quick: 2)"
     )
     parser.add_argument(
-        "--time-s", type=float, default=None, help="wall budget of each contender (default 270; quick: 60)"
+        "--time-s", type=float, default=None, help="wall budget of each contender (default 240; quick: 60)"
     )
     parser.add_argument("--rate", default="10mbit", help="tbf rate cap of each edge's link, each way")
     parser.add_argument("--loss", type=int, default=2, help="packet loss of each edge's link, %% each way")
@@ -576,8 +580,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     spec = args.task or (SMALL_TASK if args.quick else BASE_TASK)
     edges = args.edges or (2 if args.quick else 4)
-    budget = args.time_s or (60.0 if args.quick else 270.0)
-    eval_every = args.eval_every_s or budget / 10
+    budget = args.time_s or (60.0 if args.quick else 240.0)
+    eval_every = args.eval_every_s or budget / 8
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -643,8 +647,8 @@ def main(argv: list[str] | None = None) -> int:
             for p in run.points:
                 writer.writerow([run.name, run.link, f"{p.seconds:.2f}", p.version, f"{p.bpb:.4f}"])
     title = (
-        f"{task.name}, {edges} edges, IID, {budget:.0f} s each; capped: tbf {args.rate} each way, "
-        f"{args.loss}% packet loss each way (nftables); FedAvg {args.fedavg_local_steps} local steps/round"
+        f"{task.name}, {edges} edges, IID, {budget:.0f} s each; FedAvg {args.fedavg_local_steps} local "
+        f"steps/round\ncapped: tbf {args.rate} each way, {args.loss}% packet loss each way (nftables)"
     )
     png = plot(runs, target, out_dir / "wan.png", title)
 
