@@ -27,11 +27,12 @@ class GatewaySettings:
         1.0, "scale a contribution by this to the power of its staleness (1: none)", min=0.001, max=1.0
     )
     weighting: str = setting(
-        "progress",
+        "auto",
         "how contributions are averaged: progress (FedBuff's buffered rule: the mean of the edges' "
-        "local moves over max(contributions, quorum); keeps local progress over lossy and slow links) "
-        "or success (sum / step count: a contribution of many steps becomes one mean step)",
-        choices=("progress", "success"),
+        "local moves over max(contributions, quorum); keeps local progress over lossy and slow links), "
+        "success (sum / step count: a contribution of many steps becomes one mean step), or auto: "
+        "progress standalone, success in hybrid mode (where a round enters a cloud step as a gradient)",
+        choices=("auto", "progress", "success"),
     )
     edge_lr: float = setting(
         0.0, "the edges' local learning rate, which weighting=progress needs (0: the task's)", min=0.0
@@ -232,6 +233,13 @@ class DemoConfig:
         choices=("success", "progress"),
     )
     drain_s: float = setting(30.0, "at the end, how long edges may take to deliver what they hold", min=0.0)
+    momentum: float = setting(
+        0.9,
+        "momentum of the gateway's SGD; the demo's edges take small local steps (edge_lr), and on "
+        "digits momentum makes up for it (`cloud serve` defaults to 0, which larger models need)",
+        min=0.0,
+        max=0.999,
+    )
     quorum: int = setting(2, "a round closes once this many edges contributed to every layer", min=1)
     round_deadline_s: float = setting(0.5, "or this long after its first contribution", min=0.01)
     max_staleness: int = setting(50, "contributions more versions behind than this are dropped", min=0)

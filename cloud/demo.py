@@ -260,6 +260,7 @@ def run(
             max_staleness=config.max_staleness,
             weighting=config.weighting,
             edge_lr=config.edge_lr,
+            momentum=config.momentum,
             lr_decay_rounds=config.rounds,
             seed=config.seed,
         ),

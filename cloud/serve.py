@@ -3,7 +3,7 @@
 Standalone (pure federated): builds the task's model (seeded, so edges that
 start from the same seed agree before the first model arrives), serves edges
 until SIGTERM/SIGINT or `--gateway-max-rounds`, logs one line per round, and
-prints a JSON summary (version, rounds, test accuracy, counters) as its last
+prints a JSON summary (version, rounds, the task's test figure, counters) as its last
 line.
 
 Hybrid (`torchrun ... -m cloud serve --mode hybrid`): every rank trains on the
@@ -101,7 +101,8 @@ def build_gateway(
         None if update is not None else torch.optim.SGD(model.parameters(), lr=lr, momentum=g.momentum)
     )
     weighting: Weighting
-    if g.weighting == "progress":
+    rule = g.weighting if g.weighting != "auto" else ("success" if config.mode == "hybrid" else "progress")
+    if rule == "progress":
         weighting = LocalProgress(
             edge_lr=g.edge_lr or task.lr,
             gateway_lr=lr,
@@ -279,13 +280,13 @@ def run(args: argparse.Namespace, config: CloudConfig) -> int:
     finally:
         if metrics is not None:
             metrics.close()
-    accuracy = task.evaluate(gateway.model, task.test_set())
+    score = task.evaluate(gateway.model, task.test_set())
     print(
         json.dumps(
             {
                 "event": "summary",
                 "mode": "standalone",
-                "accuracy": accuracy,
+                **task.figures(score),
                 "seconds": round(time.monotonic() - started, 3),
                 **gateway_summary(gateway, admission),
             }

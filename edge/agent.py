@@ -65,6 +65,10 @@ class ElasticEdge(nn.Module):
         self.version = model_version  # the global model version this edge trains from
         self.steps = 0  # backwards that reached the sink
         self.models_adopted = 0
+        # Step-gradients not cached because they held NaN/Inf (a local model that diverged): they
+        # are neither produced nor sent, and the edge fetches the global model again.
+        self.nonfinite_steps = 0
+        self._diverged = False
         self.session = EdgeSession(options, self.manifest, self.cache, model_version)
         self.hooks = GradientHooks(named, self, plan)
         if start:
@@ -115,12 +119,27 @@ class ElasticEdge(nn.Module):
     # ------------------------------------------------------------ GradientSink
     def unit_ready(self, unit: int) -> None:
         grads = [self.hooks.params[i].grad for i in self.hooks.plan[unit]]
+        if not _finite(grads):
+            # One NaN would poison every later step summed with it, and the gateway refuses it.
+            self._diverged = True
+            return
         self.cache.add(unit, grads, self.version)
         if (self.steps + 1) % self.sync_every == 0:
             self.session.request_sync([unit])
 
     def backward_done(self) -> None:
         self.steps += 1
+        if self._diverged:
+            self._diverged = False
+            self.nonfinite_steps += 1
+            if self.nonfinite_steps == 1 or self.nonfinite_steps % 100 == 0:
+                log.warning(
+                    "step %d produced NaN/Inf gradients (%d such steps): not sent; fetching the global "
+                    "model again (a smaller --train-lr may be needed)",
+                    self.steps,
+                    self.nonfinite_steps,
+                )
+            self.session.refetch_model()
 
     # -------------------------------------------------------------------- the end
     def close(self, drain_s: float = 0.0) -> bool:
@@ -130,7 +149,12 @@ class ElasticEdge(nn.Module):
 
     def status(self) -> dict[str, object]:
         out = self.session.status()
-        out.update(steps=self.steps, trained_from_version=self.version, models_adopted=self.models_adopted)
+        out.update(
+            steps=self.steps,
+            trained_from_version=self.version,
+            models_adopted=self.models_adopted,
+            nonfinite_steps=self.nonfinite_steps,
+        )
         # Counts over this device's saved history (edge/persistence.py), not only this process.
         out["produced_steps"] = {name: unit.produced for unit in self.cache.units for name in unit.names}
         out["durable_by_layer"] = {name: unit.durable for unit in self.cache.units for name in unit.names}
@@ -140,3 +164,13 @@ class ElasticEdge(nn.Module):
             name: held[unit.index] for unit in self.cache.units for name in unit.names
         }
         return out
+
+
+def _finite(grads: list[torch.Tensor | None]) -> bool:
+    """One fused pass per unit on the CPU.  On a GPU it would cost a synchronisation per unit, so GPU
+    gradients are left to the gateway's check."""
+    for g in grads:
+        if g is not None and g.device.type == "cpu" and not bool(torch.isfinite(g.sum())):
+            if not bool(torch.isfinite(g).all()):
+                return False
+    return True

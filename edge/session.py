@@ -245,6 +245,7 @@ class EdgeSession:
         self._save_requests: list[threading.Event] = []
         self._wake_pending = False
         self._model: Model | None = None  # newest received model not yet taken by training
+        self._refetch = False  # the training thread wants the newest model again (refetch_model)
         self._error: BaseException | None = None
         self.have_version = model_version  # newest model this edge has (adopted or waiting)
 
@@ -279,6 +280,7 @@ class EdgeSession:
         self._queued_bytes = 0
         self._largest_unit = max((u.numel * u.dtype.itemsize for u in cache.units), default=0)
         self._cap_ready_at = 0.0  # the upload cap holds back the next push until then
+        self._refetching = False  # downloading the newest model again, whatever its version
         self._flights: dict[int, int] = {}  # seq -> unit
         self._outstanding_n = 0  # flights sent whose deadline has not passed
         self._sock: zmq.Socket | None = None
@@ -366,6 +368,12 @@ class EdgeSession:
             self._save_requests.append(done)
             self._wake()
         return done.wait(timeout_s)
+
+    def refetch_model(self) -> None:
+        """Download the newest model again even if it is the one this edge has (its copy diverged)."""
+        with self._lock:
+            self._refetch = True
+            self._wake()
 
     def take_model(self) -> Model | None:
         """The newest model received since the last call, if any."""
@@ -1058,22 +1066,24 @@ class EdgeSession:
         """Ask for the next slices of the model being downloaded, as far as the downlink drains them."""
         if not self.welcomed or self._sock is None:
             return
+        with self._lock:
+            refetch, self._refetch = self._refetch, False
+        if refetch:
+            self._refetching = True
         if not self.download.active:
-            if self.announced <= self.have_version:
+            if self.announced <= self.have_version and not self._refetching:
                 return
             self.download.start(self.announced)
-        # Over TCP a request is answered unless the connection goes (then all are asked anew); a
-        # link that loses messages on a live connection needs a timer.
-        reask = (
-            max(self.resend_s, 4 * self.downlink.expected_s(self.downlink.budget()))
-            if (self.loses_messages)
-            else math.inf
-        )
         # Asked for now, answered once the request got past what is queued on the uplink: enough
         # to keep the downlink busy until the next chance to ask (see the order in _tick).
         uplink_full = max(self._queued_bytes, self.uplink.budget(self._largest_unit))
         ahead_s = min(8.0, self.uplink.expected_s(uplink_full))
         budget = int(self.downlink.budget(self.download.chunk_bytes) * (1.0 + ahead_s))
+        # Over TCP a request is answered unless the connection goes (then all are asked anew); a
+        # link that loses messages on a live connection needs a timer: twice what the window needs.
+        reask = math.inf
+        if self.loses_messages:
+            reask = max(self.resend_s, 2 * self.downlink.expected_s(budget))
         for version, offset, length in self.download.requests(budget, now, reask):
             self._send(encode(ModelFetch(version=version, offset=offset, length=length)), now)
 
@@ -1095,8 +1105,9 @@ class EdgeSession:
         if not msg.full:
             log.warning("partial model %d ignored: this edge asks for whole models", msg.version)
             return
-        if msg.version == self.have_version and self._model is None:
+        if msg.version == self.have_version and self._model is None and not self._refetching:
             return
+        self._refetching = False
         self.metrics.models.inc()
         with self._lock:
             self._model = msg

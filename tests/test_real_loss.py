@@ -45,6 +45,7 @@ TRAIN_CAP_S = 30.0  # ... or after this long, whichever comes first
 GATEWAY_FLAGS = [
     "--gateway-quorum", "2", "--gateway-round-deadline-s", "0.25", "--gateway-max-staleness", "50",
     "--gateway-weighting", "progress", "--gateway-edge-lr", "0.01", "--gateway-lr-decay-rounds", str(ROUNDS),
+    "--gateway-momentum", "0.9",  # small local steps (lr 0.01): momentum makes up for them on digits
 ]  # fmt: skip
 EDGE_FLAGS = [
     "--timeout-ms", "100", "--heartbeat-ms", "1000", "--train-lr", "0.01", "--train-epochs", "100000",
