@@ -12,6 +12,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import signal
 import threading
+import time
 from pathlib import Path
 
 import edge_cases
@@ -198,3 +199,34 @@ def test_an_edge_with_a_different_model_is_refused_with_the_first_difference() -
                 agent.wait_ready(timeout_s=10)
         finally:
             agent.close()
+
+
+def test_a_step_with_nan_gradients_is_not_sent_and_the_global_model_comes_back() -> None:
+    """A local model that diverged must neither crash the agent nor poison its cache."""
+    with gateway_thread() as gateway:
+        torch.manual_seed(0)
+        model = build_model()
+        agent = ElasticEdge(model, SessionOptions(gateway=gateway.bound_endpoint, client_id="nan"))
+        try:  # close() once: a second close of a closed session is not supported
+            assert agent.wait_ready(timeout_s=30)
+            x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
+            torch.nn.functional.cross_entropy(agent(x), y).backward()  # a good step
+            with torch.no_grad():
+                next(model.parameters()).fill_(float("nan"))  # the local model diverges
+            torch.nn.functional.cross_entropy(agent(x), y).backward()
+            assert agent.nonfinite_steps == 1
+            assert all(unit.produced == 1 for unit in agent.cache.units)  # only the good step
+            # The global model is fetched again and adopted: the local copy is finite once more.
+            deadline = time.monotonic() + 30
+            while agent.models_adopted == 0 and time.monotonic() < deadline:
+                agent.adopt_newest()
+                agent.session.raise_if_failed()
+                time.sleep(0.01)
+            assert agent.models_adopted == 1
+            assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+            delivered = agent.close(drain_s=30)
+        except BaseException:
+            agent.close()
+            raise
+        assert delivered  # the good step is delivered; nothing failed
+        assert gateway.status()["history_applied_steps"]["nan"] == {n: 1 for n in gateway.names}
