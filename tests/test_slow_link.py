@@ -54,7 +54,7 @@ def start_edge(net: EdgeNet, endpoint: str, client: str, shard: str, procs: list
     argv = [
         "nice", "-n", "10", sys.executable, "-m", "edge", "--gateway", endpoint, "--client-id", client,
         "--task", TASK, "--insecure", "--log-level", "info", "--train-shard", shard, "--state-dir", "",
-        "--train-epochs", "100000", "--status-every-s", "0.5", *flags,
+        "--train-epochs", "100000", "--status-every-s", "0.5", "--drain-s", "120", *flags,
     ]  # fmt: skip
     edge = Proc(net.argv(argv), client)
     procs.append(edge)
@@ -64,7 +64,7 @@ def start_edge(net: EdgeNet, endpoint: str, client: str, shard: str, procs: list
 def stop(edges: list[Proc], gateway: Proc) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     for e in edges:
         e.signal()
-    summaries = [e.summary(timeout=120) for e in edges]
+    summaries = [e.summary(timeout=180) for e in edges]  # drain: up to 120 s at 2 Mbit/s
     gateway.signal()
     return summaries, gateway.summary(timeout=60)
 
@@ -129,7 +129,7 @@ def test_a_download_cut_by_an_outage_resumes_where_it_stopped(netns_lab: Lab, pr
         "a download part-way",
     )
     assert part["edge_models_received_total"] == 0, part
-    net.set_loss(100)  # ... the link dies for long enough that the edge replaces its connection
+    net.set_loss(99)  # ... the link all but dies, long enough that the edge replaces its connection
     edge.wait_for(is_status(lambda s: s["edge_reconnects_total"] >= 1), 60, "a reconnect")
     net.set_loss(0)
     done = edge.wait_for(is_status(lambda s: s["edge_models_received_total"] >= 1), 120, "a model")
