@@ -22,6 +22,7 @@ import logging
 import math
 from dataclasses import dataclass
 
+import numpy
 import torch
 
 from protocol import Dense, LayerTensor, Manifest, Model, ModelChunk, blob
@@ -154,7 +155,8 @@ class ModelDownload:
             return None, asked_at
         assert self._buffer is not None
         start = msg.offset
-        self._buffer[start : start + len(msg.data)].copy_(torch.frombuffer(msg.data, dtype=torch.uint8))
+        # numpy reads a read-only receive buffer as it is (torch.frombuffer would warn about it).
+        self._buffer[start : start + len(msg.data)].numpy()[:] = numpy.frombuffer(msg.data, dtype=numpy.uint8)
         self._have[i] = 1
         self._missing -= 1
         self.stats.chunks += 1
