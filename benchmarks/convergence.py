@@ -1,8 +1,10 @@
-"""Convergence under loss: digits, 4 edges, the same budget for every link, against synchronous FedAvg.
+"""Convergence under loss: a task, 4 edges, the same budget for every link, against synchronous FedAvg.
 
 Each run is `elasticfed demo` (the gateway in this process, 4 edge processes,
-IID shards) with a fixed budget of wall time and rounds, recording the test
-accuracy of the gateway's model against time:
+IID shards) with a fixed budget of wall time and rounds, recording the task's
+test figure for the gateway's model against time (`--task digits`, the
+default: accuracy, higher is better; `--task stdlib-lm-base`: bits per byte,
+lower is better):
 
 - message loss 0/30/60/95% (each direction, independent per message unless
   `--burst`), injected in process by the edges' fault channel: fast, exact;
@@ -18,9 +20,11 @@ slowest client of each round (clients in parallel, communication free): a
 lower bound on its time on any real link, where every lost message would stall
 the whole round.
 
-Writes `convergence.csv` (one row per evaluation: run, seconds, rounds,
-accuracy) and `convergence.png` (accuracy against time, one line per run) to
-`--out-dir`.  Last line: one JSON object.
+Writes `convergence.csv` (one row per evaluation: run, seconds, rounds, and
+the figure under its metric's name) and `convergence.png` (the figure against
+time, one line per run) to `--out-dir`.  Last line: one JSON object, its keys
+named after the metric's short label (`final_acc`, `final_bpb`, ...), and
+`time_to_<target>_s` for each of `--targets` (digits: 90% and 95%).
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from cloud import demo  # noqa: E402
 from cloud.config import DemoConfig  # noqa: E402
 from common.task import Task, load_task, shard  # noqa: E402
 
-TASK = "common.tasks.digits:task"
+TASK = "digits"
 LOOPBACK_RTT_S = 0.001  # what a successful exchange costs FedAvg on the simulated lossy link
 TracePoint = tuple[float, int, float]
 
@@ -81,9 +85,9 @@ def run_fleet(
     if not figures.get("audit_ok"):  # the whole report (per-edge table, exit codes) says why
         print(f"convergence: {name}: the count audit failed:\n{log.getvalue()}", file=sys.stderr)
     last = log.getvalue().strip().splitlines()[-3:]
+    metric = figures.get("metric", "accuracy")
     print(
-        f"  {name}: accuracy {figures.get('accuracy')} after {figures.get('rounds')} rounds; "
-        + last[0].strip()
+        f"  {name}: {metric} {figures.get(metric)} after {figures.get('rounds')} rounds; " + last[0].strip()
     )
     return trace, figures
 
@@ -163,12 +167,17 @@ def fedavg(
     return trace
 
 
-def time_to(trace: list[TracePoint], target: float) -> float | None:
-    return next((round(t, 1) for t, _, acc in trace if acc >= target), None)
+def time_to(trace: list[TracePoint], target: float, higher_is_better: bool = True) -> float | None:
+    """Seconds until the figure first reached `target`, in the metric's own direction; None: never."""
+    return next(
+        (round(t, 1) for t, _, v in trace if (v >= target if higher_is_better else v <= target)), None
+    )
 
 
-def plot(traces: dict[str, list[TracePoint]], path: Path, title: str) -> str | None:
-    """Accuracy against time: message loss and packet loss side by side, FedAvg on both."""
+def plot(
+    traces: dict[str, list[TracePoint]], path: Path, title: str, task: Task, targets: list[float]
+) -> str | None:
+    """The figure against time: message loss and packet loss side by side, FedAvg on both."""
     try:
         import matplotlib
 
@@ -178,6 +187,8 @@ def plot(traces: dict[str, list[TracePoint]], path: Path, title: str) -> str | N
         print("convergence: matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
         return None
     panels = [("message loss (in process)", "message"), ("packet loss (kernel, TCP)", "packet")]
+    percent = task.metric == "accuracy"
+    scale = 100.0 if percent else 1.0
     fig, axes = plt.subplots(1, 2, figsize=(13, 5.5), dpi=110, sharey=True)
     runs = [name for name in traces if not name.startswith("fedavg")]
     colours = {name: f"C{i}" for i, name in enumerate(runs)}
@@ -192,17 +203,19 @@ def plot(traces: dict[str, list[TracePoint]], path: Path, title: str) -> str | N
                 style = {"color": colours.get(name.split(", ", 1)[1], "grey"), "ls": ":"}
             else:
                 style = {"color": colours[name], "ls": "-"}
-            ax.plot([t for t, _, _ in trace], [acc * 100 for _, _, acc in trace], label=name, lw=1.5, **style)
-        for level in (90, 95):
-            ax.axhline(level, color="grey", lw=0.6, ls=":")
+            ax.plot([t for t, _, _ in trace], [v * scale for _, _, v in trace], label=name, lw=1.5, **style)
+        for level in targets:
+            ax.axhline(level * scale, color="grey", lw=0.6, ls=":")
         ax.set_xscale("symlog", linthresh=1.0)  # the first seconds matter most
         ax.set_xlim(left=0)
         ax.set_xlabel("seconds since the first edge started training")
         ax.set_title(label)
         ax.grid(alpha=0.3)
-        ax.legend(loc="lower right", fontsize=8)
-    axes[0].set_ylabel("test accuracy of the gateway's model (%)")
-    axes[0].set_ylim(0, 100)
+        ax.legend(loc="lower right" if task.higher_is_better else "upper right", fontsize=8)
+    metric = task.metric.replace("_", " ")
+    axes[0].set_ylabel(f"test {metric} of the gateway's model{' (%)' if percent else ''}, {task.direction}")
+    if percent:
+        axes[0].set_ylim(0, 100)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path)
@@ -227,11 +240,23 @@ def main() -> None:
     parser.add_argument("--timeout-ms", type=int, default=100)
     parser.add_argument("--drain-s", type=float, default=3.0, help="time edges get to deliver at the end")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--task", default=TASK, help="built-in short name or module:function (e.g. stdlib-lm-base)"
+    )
+    parser.add_argument(
+        "--targets",
+        default="",
+        help="figures to time, comma-separated (default: 0.9,0.95 for accuracy, none otherwise)",
+    )
     parser.add_argument("--out-dir", default=str(REPO / "benchmarks" / "out"))
     args = parser.parse_args()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    task = load_task(TASK)
+    task = load_task(args.task)
+    if args.targets:
+        targets = [float(v) for v in args.targets.split(",") if v.strip()]
+    else:
+        targets = [0.90, 0.95] if task.metric == "accuracy" else []
     base = DemoConfig(
         edges=4,
         rounds=args.rounds,
@@ -243,22 +268,25 @@ def main() -> None:
         weighting=args.weighting,
         drain_s=args.drain_s,
         seed=args.seed,
-        task=TASK,
+        task=args.task,
     )
     traces: dict[str, list[TracePoint]] = {}
     runs: dict[str, dict[str, Any]] = {}
-    print(f"convergence: {args.time_s:.0f} s / {args.rounds} rounds per run, weighting {args.weighting}")
+    print(
+        f"convergence: {task.name}, {args.time_s:.0f} s / {args.rounds} rounds per run, weighting "
+        f"{args.weighting}; figure: {task.metric.replace('_', ' ')} ({task.direction})"
+    )
 
     t0 = time.monotonic()
     message_losses = [int(v) for v in args.losses.split(",") if v.strip()]
     traces["fedavg"] = fedavg(task, base.edges, args.time_s, args.rounds, args.seed)
-    print(f"  fedavg: accuracy {traces['fedavg'][-1][2]:.4f} after {traces['fedavg'][-1][1]} rounds")
+    print(f"  fedavg: {task.metric} {traces['fedavg'][-1][2]:.4f} after {traces['fedavg'][-1][1]} rounds")
     for pct in (p for p in message_losses if p):
         name = f"fedavg, message loss {pct}%"
         traces[name] = fedavg(
             task, base.edges, args.time_s, args.rounds, args.seed, pct / 100, base.timeout_ms / 1000
         )
-        print(f"  {name}: accuracy {traces[name][-1][2]:.4f} after {traces[name][-1][1]} rounds")
+        print(f"  {name}: {task.metric} {traces[name][-1][2]:.4f} after {traces[name][-1][1]} rounds")
 
     for pct in message_losses:
         name = f"message loss {pct}%"
@@ -290,15 +318,15 @@ def main() -> None:
     csv_path = out_dir / "convergence.csv"
     with open(csv_path, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["run", "seconds", "rounds", "accuracy"])
+        writer.writerow(["run", "seconds", "rounds", task.metric])
         for name, trace in traces.items():
-            for t, r, acc in trace:
-                writer.writerow([name, f"{t:.2f}", r, f"{acc:.4f}"])
+            for t, r, value in trace:
+                writer.writerow([name, f"{t:.2f}", r, f"{value:.4f}"])
     title = (
-        f"digits, 4 edges, {args.weighting} weighting, {args.time_s:.0f} s budget.  Synchronous FedAvg: "
+        f"{task.name}, 4 edges, {args.weighting} weighting, {args.time_s:.0f} s budget.  Synchronous FedAvg: "
         "dashed on a perfect link, dotted over the same message loss (link time simulated)"
     )
-    png = plot(traces, out_dir / "convergence.png", title)
+    png = plot(traces, out_dir / "convergence.png", title, task, targets)
 
     def final(name: str) -> float:
         return round(traces[name][-1][2], 4)
@@ -306,45 +334,53 @@ def main() -> None:
     def ratio(ours: float | None, reference: float | None) -> float | None:
         return round(ours / reference, 2) if ours is not None and reference else None
 
-    fedavg_90 = {
-        p: time_to(traces["fedavg" if not p else f"fedavg, message loss {p}%"], 0.90) for p in message_losses
-    }
+    label = task.metric_label  # final_acc, final_bpb, ...
+    up = task.higher_is_better
+
+    def tag(target: float) -> str:  # time_to_90_s for accuracy 0.90, time_to_2.5_s for 2.5 bpb
+        return f"{target * 100:g}" if task.metric == "accuracy" else f"{target:g}"
+
+    def timed(prefix: str, names: dict[str, str]) -> dict[str, Any]:
+        return {
+            f"{prefix}time_to_{tag(t)}_s": {key: time_to(traces[run], t, up) for key, run in names.items()}
+            for t in targets
+        }
+
+    ours = {str(p): f"message loss {p}%" for p in message_losses}
+    kernel = {str(p): f"packet loss {p}%" for p in sorted(packet) if f"packet loss {p}%" in traces}
+    lossy_fedavg = {str(p): f"fedavg, message loss {p}%" for p in message_losses if p}
     result = {
-        "final_acc": {str(p): final(f"message loss {p}%") for p in message_losses},
-        "time_to_90_s": {str(p): time_to(traces[f"message loss {p}%"], 0.90) for p in message_losses},
-        "time_to_95_s": {str(p): time_to(traces[f"message loss {p}%"], 0.95) for p in message_losses},
-        "rounds": {str(p): runs[f"message loss {p}%"].get("rounds") for p in message_losses},
-        "audit_ok": {str(p): runs[f"message loss {p}%"].get("audit_ok") for p in message_losses},
-        "packet_final_acc": {
-            str(p): final(f"packet loss {p}%") for p in sorted(packet) if f"packet loss {p}%" in traces
-        },
-        "packet_time_to_90_s": {
-            str(p): time_to(traces[f"packet loss {p}%"], 0.90)
-            for p in sorted(packet)
-            if f"packet loss {p}%" in traces
-        },
-        "packet_time_to_95_s": {
-            str(p): time_to(traces[f"packet loss {p}%"], 0.95)
-            for p in sorted(packet)
-            if f"packet loss {p}%" in traces
-        },
-        "packet_audit_ok": {
-            str(p): runs[f"packet loss {p}%"].get("audit_ok")
-            for p in sorted(packet)
-            if f"packet loss {p}%" in runs
-        },
+        "task": task.name,
+        "metric": task.metric,
+        "metric_higher_is_better": up,
+        "targets": targets,
+        f"final_{label}": {key: final(run) for key, run in ours.items()},
+        **timed("", ours),
+        "rounds": {key: runs[run].get("rounds") for key, run in ours.items()},
+        "audit_ok": {key: runs[run].get("audit_ok") for key, run in ours.items()},
+        f"packet_final_{label}": {key: final(run) for key, run in kernel.items()},
+        **timed("packet_", kernel),
+        "packet_audit_ok": {key: runs[run].get("audit_ok") for key, run in kernel.items() if run in runs},
         "packet_skipped": packet_skipped,
-        "fedavg_final_acc": final("fedavg"),
-        "fedavg_time_to_90_s": time_to(traces["fedavg"], 0.90),
-        "fedavg_time_to_95_s": time_to(traces["fedavg"], 0.95),
-        "fedavg_lossy_final_acc": {str(p): final(f"fedavg, message loss {p}%") for p in message_losses if p},
-        # Our time to 90% over synchronous FedAvg's on the same link (None: FedAvg never got there).
-        "time_to_90_ratio_vs_fedavg": {
-            str(p): ratio(time_to(traces[f"message loss {p}%"], 0.90), fedavg_90[p]) for p in message_losses
-        },
-        "fedavg_lossy_time_to_90_s": {
-            str(p): time_to(traces[f"fedavg, message loss {p}%"], 0.90) for p in message_losses if p
-        },
+        f"fedavg_final_{label}": final("fedavg"),
+        **{f"fedavg_time_to_{tag(t)}_s": time_to(traces["fedavg"], t, up) for t in targets},
+        f"fedavg_lossy_final_{label}": {key: final(run) for key, run in lossy_fedavg.items()},
+    }
+    if targets:
+        # Our time to the first target over synchronous FedAvg's on the same link (None: never got there).
+        first = targets[0]
+        fedavg_first = {
+            p: time_to(traces["fedavg" if not p else f"fedavg, message loss {p}%"], first, up)
+            for p in message_losses
+        }
+        result[f"time_to_{tag(first)}_ratio_vs_fedavg"] = {
+            str(p): ratio(time_to(traces[f"message loss {p}%"], first, up), fedavg_first[p])
+            for p in message_losses
+        }
+        result[f"fedavg_lossy_time_to_{tag(first)}_s"] = {
+            key: time_to(traces[run], first, up) for key, run in lossy_fedavg.items()
+        }
+    result |= {
         "budget_s": args.time_s,
         "weighting": args.weighting,
         "burst": args.burst,

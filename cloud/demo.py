@@ -3,11 +3,13 @@
 The gateway runs in this process; each edge is its own process
 (`python -m edge`), trains on its shard of the digits data and syncs through
 an in-process fault-injecting link (default: 30% message loss in bursts).  A
-progress bar follows the rounds with the test accuracy, the strong/weak sync
-rates the edges report and the staleness the gateway sees; at the end a table
-and a JSON line (the last line) give accuracy, rounds, time, bytes, weak syncs,
-re-sends and the count audit (every step-gradient produced is applied once,
-or dropped as too stale and counted).
+progress bar follows the rounds with the task's test figure (accuracy for
+digits, bits per byte for stdlib-lm), the strong/weak sync rates the edges
+report and the staleness the gateway sees; at the end a table and a JSON line
+(the last line) give that figure under its own name, rounds, time, bytes, weak
+syncs, re-sends and the count audit (every step-gradient produced is applied
+once, or dropped as too stale and counted).  A task that can generate (a
+language model) also shows a few bytes the final model writes.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from cloud.gateway import RoundSummary
 from cloud.serve import build_gateway, totals
 from common.keys import KeyFolder, generate
 from common.link import Faults
-from common.task import load_task
+from common.task import Task, TaskError, load_task, shard
 
 
 class _EdgeProcess:
@@ -181,14 +183,15 @@ def _edge_argv(config: DemoConfig, i: int, endpoint: str, security: list[str]) -
 class _Progress:
     """One line, redrawn in place on a terminal, printed every few seconds otherwise."""
 
-    def __init__(self, out: TextIO, total: int) -> None:
+    def __init__(self, out: TextIO, total: int, task: Task) -> None:
         self.out = out
         self.total = total
+        self.task = task
         self.tty = out.isatty()
         self.last_print = 0.0
 
     def draw(
-        self, rounds: int, accuracy: float, edges: list[_EdgeProcess], staleness: float, elapsed: float
+        self, rounds: int, score: float, edges: list[_EdgeProcess], staleness: float, elapsed: float
     ) -> None:
         strong = sum(_sum(e.status.get("edge_strong_syncs_total")) for e in edges)
         weak = sum(_sum(e.status.get("edge_weak_syncs_total")) for e in edges)
@@ -202,7 +205,8 @@ class _Progress:
             else "no syncs yet"
         )
         line = (
-            f"round {done:>4}/{self.total} [{bar}] acc {accuracy:6.2%} | {share} | "
+            f"round {done:>4}/{self.total} [{bar}] {self.task.metric_label} "
+            f"{self.task.format_metric(score):>6} | {share} | "
             f"staleness {staleness:4.1f} | {elapsed:5.1f} s"
         )
         if self.tty:
@@ -222,7 +226,7 @@ def _sum(value: Any) -> float:
     return float(value or 0)
 
 
-TracePoint = tuple[float, int, float]  # (seconds since training started, rounds closed, test accuracy)
+TracePoint = tuple[float, int, float]  # (seconds since training started, rounds closed, task's figure)
 STARTUP_LIMIT_S = 120.0  # edge processes that have not started training by then are not waited for
 
 
@@ -238,7 +242,7 @@ def run(
 ) -> int:
     """Run the demo; the keywords let benchmarks/convergence.py record it and place the edges.
 
-    `trace` receives a point per round (test accuracy); `edge_command(i, argv, endpoint)` may
+    `trace` receives a point per round (the task's figure); `edge_command(i, argv, endpoint)` may
     rewrite edge i's command line (e.g. to run it in a network namespace and point it
     at another address); `result` receives the figures of the final JSON line.
     """
@@ -246,6 +250,12 @@ def run(
     torch.set_num_threads(1)
     task = load_task(config.task)
     test_set = task.test_set()
+    if config.partition != "iid":
+        try:  # here, not as a traceback in every edge's log
+            shard(task.train_set(), 0, config.edges, config.partition, seed=config.seed)
+        except (ValueError, TaskError) as exc:
+            print(f"elasticfed demo: error: --partition {config.partition}: {exc}", file=sys.stderr)
+            return 2
     faults = Faults(
         loss=config.loss, burst=config.burst, delay_ms=config.delay_ms, jitter_ms=config.jitter_ms
     )
@@ -268,6 +278,7 @@ def run(
     rounds_closed = 0
     staleness = 0.0
     round_lock = threading.Lock()
+    trace_pace = _Pace()
 
     def on_round(summary: RoundSummary) -> None:
         nonlocal rounds_closed, staleness
@@ -278,12 +289,12 @@ def run(
                 if summary.number > 1
                 else summary.staleness_mean
             )
-            if trace is not None:
-                # Every round, in the gateway's thread (its model is consistent here): about a
-                # millisecond per round on digits, the price of a per-round curve.
-                trace.append(
-                    (time.monotonic() - training, summary.version, task.evaluate(gateway.model, test_set))
-                )
+            if trace is not None and trace_pace.due():
+                # In the gateway's thread (its model is consistent here): every round on digits (about
+                # a millisecond each), less often where one evaluation costs more (a language model).
+                with trace_pace:
+                    score = task.evaluate(gateway.model, test_set)
+                trace.append((time.monotonic() - training, summary.version, score))
 
     logs = Path(tempfile.mkdtemp(prefix="elasticfed-demo-"))
     admission: CurveAdmission | None = None
@@ -314,10 +325,11 @@ def run(
     if edge_command is not None:
         argvs = [edge_command(i, argv, endpoint) for i, argv in enumerate(argvs)]
     edges = [_EdgeProcess(f"edge-{i}", argv, logs / f"edge-{i}.log") for i, argv in enumerate(argvs)]
-    progress = _Progress(out, config.rounds)
+    progress = _Progress(out, config.rounds, task)
     eval_model = task.build_model()  # loaded from each new snapshot; the gateway's own model keeps moving
-    accuracy = 0.0
+    score = 0.0
     last_eval = -1
+    pace = _Pace()
     interrupted = threading.Event()  # SIGTERM or Ctrl-C: stop the edges, drain, report
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: interrupted.set())
@@ -325,9 +337,10 @@ def run(
         while not interrupted.wait(0.2):
             with round_lock:
                 current, stale = rounds_closed, staleness
-            if current != last_eval:
+            if current != last_eval and pace.due():
                 # Evaluate a snapshot (the gateway thread keeps stepping the live model).
-                accuracy = _evaluate(task, eval_model, test_set, gateway)
+                with pace:
+                    score = _evaluate(task, eval_model, test_set, gateway)
                 last_eval = current
             now = time.monotonic()
             if not training_started and (any(e.status for e in edges) or now - started >= STARTUP_LIMIT_S):
@@ -337,8 +350,8 @@ def run(
                 training = now
                 if trace is not None:
                     with round_lock:
-                        trace[:] = [(0.0, current, accuracy)]
-            progress.draw(current, accuracy, edges, stale, now - training)
+                        trace[:] = [(0.0, current, score)]
+            progress.draw(current, score, edges, stale, now - training)
             if current >= config.rounds or (training_started and now - training >= config.time_limit_s):
                 break
             if all(e.proc.poll() is not None for e in edges):
@@ -353,12 +366,32 @@ def run(
         serving.join(timeout=10)
     if gateway.open.opened_at is not None:
         gateway.close_round()  # what arrived while the edges drained is in the model too
-    accuracy = task.evaluate(gateway.model, test_set)
+    score = task.evaluate(gateway.model, test_set)
     if trace is not None:
-        trace.append((time.monotonic() - training, gateway.version, accuracy))
+        trace.append((time.monotonic() - training, gateway.version, score))
     return _report(
-        out, config, gateway, edges, codes, accuracy, trained_s, time.monotonic() - started, result
+        out, task, config, gateway, edges, codes, score, trained_s, time.monotonic() - started, result
     )
+
+
+class _Pace:
+    """Evaluations take at most a fifth of a core: the edges share this machine's cores with them."""
+
+    SHARE = 0.2
+
+    def __init__(self) -> None:
+        self.next_at = 0.0
+        self.began = 0.0
+
+    def due(self) -> bool:
+        return time.monotonic() >= self.next_at
+
+    def __enter__(self) -> None:
+        self.began = time.monotonic()
+
+    def __exit__(self, *exc: object) -> None:
+        now = time.monotonic()
+        self.next_at = now + (now - self.began) * (1 / self.SHARE - 1)
 
 
 def _evaluate(task: Any, model: torch.nn.Module, test_set: Any, gateway: Any) -> float:
@@ -368,11 +401,12 @@ def _evaluate(task: Any, model: torch.nn.Module, test_set: Any, gateway: Any) ->
 
 def _report(
     out: TextIO,
+    task: Task,
     config: DemoConfig,
     gateway: Any,
     edges: list[_EdgeProcess],
     codes: list[int | None],
-    accuracy: float,
+    score: float,
     trained_s: float,
     total_s: float,
     result: dict[str, Any] | None = None,
@@ -421,7 +455,8 @@ def _report(
     resent = sum(r[4] for r in rows)
     sent_bytes = sum(r[5] for r in rows)
     print("", file=out)
-    print(f"  test accuracy      {accuracy:.2%}", file=out)
+    name = "test " + task.metric.replace("_", " ")
+    print(f"  {name:<18} {task.format_metric(score)} ({task.direction})", file=out)
     print(f"  rounds             {gateway.version}", file=out)
     print(f"  time               {total_s:.1f} s ({trained_s:.1f} s training)", file=out)
     print(
@@ -436,8 +471,10 @@ def _report(
         f"{held_total} still held by edges",
         file=out,
     )
+    if task.sample is not None:
+        _show_sample(out, task.sample(gateway.model))
     figures = {
-        "accuracy": round(accuracy, 4),
+        **task.figures(round(score, 4)),
         "rounds": gateway.version,
         "seconds": round(total_s, 1),
         "edges": len(edges),
@@ -458,3 +495,11 @@ def _report(
         result.update(figures)
     print(json.dumps(figures), file=out, flush=True)
     return 0 if audit_ok and all(c == 0 for c in codes) else 1
+
+
+def _show_sample(out: TextIO, text: bytes) -> None:
+    """What the final model writes, indented; bytes that would drive the terminal print as '?'."""
+    shown = "".join(c if c.isprintable() or c == "\n" else "?" for c in text.decode(errors="replace"))
+    print("  sampled from the final model:", file=out)
+    for line in shown.splitlines():
+        print(f"    | {line}", file=out)

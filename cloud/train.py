@@ -52,16 +52,25 @@ EXIT_SYNC_FAILED = 3
 
 @dataclass(frozen=True)
 class TrainResult:
-    accuracy: float
+    score: float  # the task's figure, under its metric's name in as_dict (accuracy for digits)
     epochs: int
     steps: int
     seconds: float
     wire_bytes_per_step: int
     final_loss: float
     resumed_from_epoch: int = 0
+    metric: str = "accuracy"
+    higher_is_better: bool = True
 
     def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        """JSON fields: the figure under its own name, with the metric's name and direction beside it."""
+        out = {k: v for k, v in self.__dict__.items() if k not in ("score", "metric", "higher_is_better")}
+        return {
+            "metric": self.metric,
+            self.metric: self.score,
+            "metric_higher_is_better": self.higher_is_better,
+            **out,
+        }
 
 
 def pick_backend(requested: str) -> str:
@@ -99,6 +108,7 @@ class TrainCheckpoints:
         # Only rank 0 writes; the lock keeps a second job out of the directory.
         self.store = CheckpointStore(directory, self.KIND, keep=keep, exclusive=self.rank == 0)
         self.task = task.name
+        self.metric = task.metric
 
     def save(
         self,
@@ -107,7 +117,7 @@ class TrainCheckpoints:
         schedule: torch.optim.lr_scheduler.LRScheduler,
         epoch: int,
         steps: int,
-        accuracy: float,
+        score: float,
     ) -> None:
         if self.rank != 0:
             return
@@ -118,7 +128,8 @@ class TrainCheckpoints:
             "task": self.task,
             "epoch": epoch,
             "steps": steps,
-            "accuracy": accuracy,
+            "metric": self.metric,
+            self.metric: score,
             "optimizer": optim_meta,
             "schedule": {k: v for k, v in schedule.state_dict().items() if isinstance(v, (int, float))},
         }
@@ -183,7 +194,7 @@ def train(
     mixing: EdgeMixing | None = None,
     data: Dataset | None = None,
 ) -> TrainResult:
-    """Train `task` on this rank's shard; every rank returns the same accuracy (rank 0 evaluates).
+    """Train `task` on this rank's shard; every rank returns the same test figure (rank 0 evaluates).
 
     Hybrid mode (cloud/hybrid.py) passes the model its gateway serves, the
     `mixing` that brings edge rounds into the steps, and the cloud's part of the
@@ -220,7 +231,7 @@ def train(
     model = wrap(module, sync)  # after the resume: construction broadcasts rank 0's parameters
     test_set = task.test_set()
     started = time.perf_counter()
-    accuracy = 0.0
+    score = 0.0
     last_loss = float("nan")
     stopped = False
     epoch = first_epoch
@@ -255,28 +266,30 @@ def train(
         epoch += 1
         if stopped and count == 0:
             break
-        score = torch.tensor([task.evaluate(model.module, test_set) if rank == 0 else 0.0], device=device)
-        dist.broadcast(score, src=0)
-        accuracy = float(score.item())
+        evaluated = torch.tensor([task.evaluate(model.module, test_set) if rank == 0 else 0.0], device=device)
+        dist.broadcast(evaluated, src=0)
+        score = float(evaluated.item())
         bar.close()
         if rank == 0:
             log.info(
-                "epoch %d/%d%s  loss %.4f  test accuracy %.2f%%  sync %.1f KiB/step on the wire",
+                "epoch %d/%d%s  loss %.4f  test %s  sync %.1f KiB/step on the wire",
                 epoch,
                 settings.epochs,
                 "" if epoch <= settings.epochs else " (edges still delivering)",
                 last_loss,
-                accuracy * 100,
+                task.describe(score),
                 model.stats.wire_bytes_last_step / 1024,
             )
         if checkpoints is not None and epoch <= settings.epochs:
-            checkpoints.save(module, optimizer, schedule, epoch, steps, accuracy)
+            checkpoints.save(module, optimizer, schedule, epoch, steps, score)
     if mixing is not None:
         mixing.finish()
         if sync.check_every:
             model.check_consistency()  # after the last step too, not only before each forward
     return TrainResult(
-        accuracy=accuracy,
+        score=score,
+        metric=task.metric,
+        higher_is_better=task.higher_is_better,
         epochs=settings.epochs,
         steps=steps,
         seconds=time.perf_counter() - started,
@@ -381,8 +394,8 @@ def run(args: argparse.Namespace, config: CloudConfig) -> int:
         return 2
     if dist.get_rank() == 0:
         log.info(
-            "done: accuracy %.2f%% after %d epochs, %d steps, %.1f s",
-            result.accuracy * 100,
+            "done: %s after %d epochs, %d steps, %.1f s",
+            task.describe(result.score),
             result.epochs,
             result.steps,
             result.seconds,
