@@ -84,10 +84,11 @@ def run_fleet(
     figures["wall_s"] = round(time.monotonic() - started, 1)
     if not figures.get("audit_ok"):  # the whole report (per-edge table, exit codes) says why
         print(f"convergence: {name}: the count audit failed:\n{log.getvalue()}", file=sys.stderr)
-    last = log.getvalue().strip().splitlines()[-3:]
+    syncs = [line.strip() for line in log.getvalue().splitlines() if line.strip().startswith("weak syncs")]
     metric = figures.get("metric", "accuracy")
     print(
-        f"  {name}: {metric} {figures.get(metric)} after {figures.get('rounds')} rounds; " + last[0].strip()
+        f"  {name}: {metric} {figures.get(metric)} after {figures.get('rounds')} rounds; "
+        + (syncs[-1] if syncs else "")
     )
     return trace, figures
 
@@ -108,8 +109,12 @@ def fedavg(
     seed: int,
     message_loss: float = 0.0,
     timeout_s: float = 0.1,
+    local_steps: int = 50,
 ) -> list[TracePoint]:
     """Synchronous FedAvg: all clients, one local epoch each, wait for all, average the models.
+
+    An epoch longer than `local_steps` is cut there (digits' is 11 steps; stdlib-lm's
+    thousands, which would make one round outlast any budget).
 
     Compute is measured; with `message_loss`, each client's model download and upload is a
     request/response retried every `timeout_s` (the edges' deadline), its time drawn
@@ -145,7 +150,9 @@ def fedavg(
             t0 = time.perf_counter()
             local.load_state_dict(global_model.state_dict())
             opt = torch.optim.SGD(local.parameters(), lr=task.lr, momentum=task.momentum)
-            for x, y in loader:
+            for step, (x, y) in enumerate(loader):
+                if step >= local_steps:
+                    break
                 loss = task.loss(local(x), y)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
@@ -243,6 +250,7 @@ def main() -> None:
     parser.add_argument(
         "--task", default=TASK, help="built-in short name or module:function (e.g. stdlib-lm-base)"
     )
+    parser.add_argument("--local-steps", type=int, default=50, help="FedAvg's local steps per round, at most")
     parser.add_argument(
         "--targets",
         default="",
@@ -279,12 +287,21 @@ def main() -> None:
 
     t0 = time.monotonic()
     message_losses = [int(v) for v in args.losses.split(",") if v.strip()]
-    traces["fedavg"] = fedavg(task, base.edges, args.time_s, args.rounds, args.seed)
+    traces["fedavg"] = fedavg(
+        task, base.edges, args.time_s, args.rounds, args.seed, local_steps=args.local_steps
+    )
     print(f"  fedavg: {task.metric} {traces['fedavg'][-1][2]:.4f} after {traces['fedavg'][-1][1]} rounds")
     for pct in (p for p in message_losses if p):
         name = f"fedavg, message loss {pct}%"
         traces[name] = fedavg(
-            task, base.edges, args.time_s, args.rounds, args.seed, pct / 100, base.timeout_ms / 1000
+            task,
+            base.edges,
+            args.time_s,
+            args.rounds,
+            args.seed,
+            pct / 100,
+            base.timeout_ms / 1000,
+            local_steps=args.local_steps,
         )
         print(f"  {name}: {task.metric} {traces[name][-1][2]:.4f} after {traces[name][-1][1]} rounds")
 
