@@ -163,10 +163,17 @@ def run(args: argparse.Namespace, config: EdgeConfig) -> int:
         return 2
     torch.manual_seed(config.train.seed)
     model = task.build_model()
-    data = task.train_set()
-    if config.train.shard:
-        index, parts = (int(v) for v in config.train.shard.split("/"))
-        data = shard(data, index, parts, config.train.partition, seed=config.train.seed)
+    try:
+        data = task.train_set()
+        if config.train.shard:
+            index, parts = (int(v) for v in config.train.shard.split("/"))
+            try:
+                data = shard(data, index, parts, config.train.partition, seed=config.train.seed)
+            except ValueError as exc:  # a partition this task's data cannot take
+                raise TaskError(f"--train-partition {config.train.partition}: {exc}") from exc
+    except TaskError as exc:
+        print(f"elasticfed edge: error: {exc}", file=sys.stderr)
+        return 2
     loader = DataLoader(
         data,
         batch_size=config.train.batch_size or task.batch_size,

@@ -333,3 +333,14 @@ def test_the_demo_refuses_a_partition_its_task_cannot_split() -> None:
     result = _demo("--task", "digits", "--partition", "package")
     assert result.returncode == 2
     assert "--partition package" in result.stderr and "groups" in result.stderr
+
+
+@pytest.mark.slow
+def test_an_edge_refuses_a_partition_its_task_cannot_split() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "edge", "--task", "digits", "--train-shard", "0/4", "--train-partition",
+         "package", "--insecure", "--state-dir", ""],
+        capture_output=True, text=True, env=process_env(), timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "elasticfed edge: error: --train-partition package" in result.stderr
