@@ -1076,8 +1076,9 @@ class EdgeSession:
             self.download.start(self.announced)
         # Asked for now, answered once the request got past what is queued on the uplink: enough
         # to keep the downlink busy until the next chance to ask (see the order in _tick).
+        # (Only once the uplink is measured: its first guess is deliberately slow.)
         uplink_full = max(self._queued_bytes, self.uplink.budget(self._largest_unit))
-        ahead_s = min(8.0, self.uplink.expected_s(uplink_full))
+        ahead_s = min(8.0, self.uplink.expected_s(uplink_full)) if self.uplink.measured else 0.0
         budget = int(self.downlink.budget(self.download.chunk_bytes) * (1.0 + ahead_s))
         # Over TCP a request is answered unless the connection goes (then all are asked anew); a
         # link that loses messages on a live connection needs a timer: twice what the window needs.
