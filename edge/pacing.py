@@ -45,7 +45,15 @@ class LinkMeter:
         self.min_budget = min_budget
         self.alpha = alpha
         self.measured = False
+        # The path's round trip, the smallest seen (small messages, the handshake): a sample taken
+        # on an idle link holds it, and a long but empty path is not a slow one.
+        self.rtt = 0.0
+        self._rtt_seen = False
         self._last_answer = float("-inf")
+
+    def observe_rtt(self, seconds: float) -> None:
+        if seconds > 0 and (not self._rtt_seen or seconds < self.rtt):
+            self.rtt, self._rtt_seen = seconds, True
 
     def answered(self, nbytes: int, sent_at: float, now: float) -> None:
         """An answer to a message of `nbytes` sent at `sent_at` (on this connection) came now.
@@ -56,11 +64,15 @@ class LinkMeter:
         a lower bound, used only while nothing better is known or when it is above the estimate.
         """
         busy = sent_at <= self._last_answer
-        began = max(sent_at, self._last_answer)
+        began = max(sent_at, self._last_answer) if busy else sent_at + self.rtt
         self._last_answer = now
-        if nbytes < MIN_SAMPLE_BYTES or now <= began:
+        if nbytes < MIN_SAMPLE_BYTES:
+            if not busy:
+                self.observe_rtt(now - sent_at)
             return
-        sample = nbytes / (now - began)
+        # At least a millisecond: an answer that came back within the round trip says the link
+        # carried the message in no measurable time, a fast link, not an unmeasured one.
+        sample = nbytes / max(now - began, 1e-3)
         if not self.measured:
             self.rate, self.measured = sample, True
         elif busy or sample > self.rate:

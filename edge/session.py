@@ -767,6 +767,8 @@ class EdgeSession:
     def _deadline(self, nbytes: int, now: float) -> float:
         """When an answer is overdue: the per-layer deadline plus twice what the link needs for the
         bytes queued ahead and this push (a push slower than that is weak; one merely large is not)."""
+        if not self.uplink.measured:  # a guess must not hide loss: the first slow push may go weak
+            return now + self.options.timeout_s
         return now + self.options.timeout_s + 2 * self.uplink.expected_s(self._queued_bytes + nbytes)
 
     def _resend_weak(self, now: float, sent_before: float = -math.inf) -> None:
@@ -838,7 +840,9 @@ class EdgeSession:
         if isinstance(msg, Ack):
             self._on_ack(msg, now)
         elif isinstance(msg, Heartbeat):
-            self._covers(self._probes_sent.pop(msg.nonce, -math.inf))
+            probe = self._probes_sent.pop(msg.nonce, -math.inf)
+            self._rtt_sample(now - probe)
+            self._covers(probe)
             self._announce(msg.model_version)
             if not msg.gateway_id or msg.gateway_id == self.gateway_id:  # as in _on_ack
                 self._settle(msg.verdicts, msg.gateway_id, now)
@@ -856,7 +860,14 @@ class EdgeSession:
         else:
             log.warning("unexpected %s from the gateway, ignored", msg.TYPE)
 
+    def _rtt_sample(self, seconds: float) -> None:
+        """A small message's round trip: the path's latency, which is no measure of its rate."""
+        if math.isfinite(seconds):
+            self.uplink.observe_rtt(seconds)
+            self.downlink.observe_rtt(seconds)
+
     def _on_welcome(self, msg: Welcome, now: float) -> None:
+        self._rtt_sample(now - self._last_hello)
         if msg.manifest_digest != self.manifest.digest:
             raise EdgeRefused("the gateway welcomed a different model (manifest digest differs)")
         # Hellos are repeated until answered, so welcomes may come in several; only one from a
