@@ -64,9 +64,6 @@ class ModelDownload:
     def active(self) -> bool:
         return self._buffer is not None
 
-    def received_bytes(self) -> int:
-        return sum(self._chunk_len(i) for i in range(self.chunks) if self._have[i]) if self.active else 0
-
     def outstanding_bytes(self) -> int:
         return sum(self._chunk_len(i) for i in self._asked)
 
@@ -79,8 +76,8 @@ class ModelDownload:
 
     def connection_lost(self) -> None:
         """Requests sent on a replaced connection are not answered there: ask again on the next."""
-        if self._asked or (self.active and self._missing < self.chunks):
-            self.stats.resumed += 1 if self.active and self._missing < self.chunks else 0
+        if self.active and self._missing < self.chunks:
+            self.stats.resumed += 1
         self._asked.clear()
         self._next = 0
 
@@ -139,8 +136,6 @@ class ModelDownload:
                     "gateway no longer serves model %d: downloading %d instead", self.version, msg.version
                 )
             self._reset(msg.version, msg.digest, keep_asked=True)
-        if msg.version != self.version:
-            return None, None
         i, rem = divmod(msg.offset, self.chunk_bytes)
         if rem or i >= self.chunks or len(msg.data) != self._chunk_len(i):
             log.warning(

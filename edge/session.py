@@ -268,8 +268,8 @@ class EdgeSession:
         self.download = ModelDownload(manifest, options.model_chunk_bytes)
         # Measured rates each way (edge/pacing.py): how much may be queued on the connection, how
         # long answers may take, and so how long silence means a dead link.
-        # Until measured, assume a slow link (1 Mbit/s): the first transfers are cautious, never
-        # judged failed for being large; the first answers replace the guess.
+        # Until measured, queues and the silence allowed assume a slow link (1 Mbit/s), so a large
+        # first transfer never looks like a dead link; the first answers replace the guess.
         self.uplink = LinkMeter(initial_bps=125e3, queue_s=1.0)
         self.downlink = LinkMeter(initial_bps=125e3, queue_s=1.0)
         self.upload_cap = UploadCap(options.upload_mbit, clock())
@@ -531,9 +531,9 @@ class EdgeSession:
                     self._mark_weak(u, flight)
                 flight.attempts = 0  # copies are counted per connection (see _adapt_resend)
         self._covers(now)  # what went out on the old socket is answered there or not at all
-        if self.download.active and self.download.received_bytes():
-            self.metrics.download_resumes.inc()
+        resumed = self.download.stats.resumed
         self.download.connection_lost()  # what has arrived stays; the rest is asked for anew
+        self.metrics.download_resumes.inc(by=self.download.stats.resumed - resumed)
         self.uplink.connection_replaced()
         self.downlink.connection_replaced()
         log.info("no answer from %s for %.1f s: reconnecting", self.options.gateway, silent)

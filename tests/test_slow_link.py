@@ -38,8 +38,12 @@ RATE = "5mbit"
 TRAIN_S = 60.0
 
 
-def start_gateway(lab: Lab, procs: list[Proc]) -> tuple[Proc, str]:
-    endpoint = f"tcp://{lab.gateway_address}:{lab.free_port()}"
+def start_gateway(lab: Lab | None, procs: list[Proc]) -> tuple[Proc, str]:
+    """`cloud serve` with its defaults (the task aside), in the lab's root namespace or on loopback."""
+    if lab is None:
+        endpoint = f"tcp://127.0.0.1:{fleet.free_port()}"
+    else:
+        endpoint = f"tcp://{lab.gateway_address}:{lab.free_port()}"
     argv = [
         sys.executable, "-m", "common.cli", "cloud", "serve", "--mode", "standalone", "--task", TASK,
         "--gateway-bind", endpoint, "--insecure", "--log-level", "warning", "--gateway-checkpoint-dir", "",
@@ -151,15 +155,7 @@ def test_a_download_cut_by_an_outage_resumes_where_it_stopped(netns_lab: Lab, pr
 
 def test_an_upload_cap_holds_what_the_device_sends(procs: list[Proc]) -> None:
     """On loopback (no link cap at all), `--upload-mbit 4`: the gateway receives at most that from it."""
-    port = fleet.free_port()
-    endpoint = f"tcp://127.0.0.1:{port}"
-    argv = [
-        sys.executable, "-m", "common.cli", "cloud", "serve", "--mode", "standalone", "--task", TASK,
-        "--gateway-bind", endpoint, "--insecure", "--log-level", "warning", "--gateway-checkpoint-dir", "",
-    ]  # fmt: skip
-    gateway = Proc(argv, "gateway")
-    procs.append(gateway)
-    gateway.wait_for(lambda e: e.get("event") == "ready", 60, "a ready event")
+    gateway, endpoint = start_gateway(None, procs)
     argv = [
         sys.executable, "-m", "edge", "--gateway", endpoint, "--client-id", "capped", "--task", TASK,
         "--insecure", "--log-level", "warning", "--state-dir", "", "--train-epochs", "100000",
