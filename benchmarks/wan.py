@@ -109,6 +109,7 @@ class Worker:
 
     def _read(self, stream: TextIO) -> None:
         for line in stream:
+            self.log.write(line)  # with stderr: what --keep-logs keeps
             try:
                 event = json.loads(line)
             except json.JSONDecodeError:

@@ -282,14 +282,26 @@ class OpenRound:
     staleness_max: int = 0
     contributions: int = 0
     layer_steps: list[int] = field(default_factory=list)  # step-gradients added, per layer
+    # client -> seconds its link needs for a contribution to every layer (cloud/delivery.py)
+    delivery_s: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.layer_steps:
             self.layer_steps = [0] * self.layers
 
-    def record(self, client: str, layer_indices: list[int], count: int, staleness: int, now: float) -> None:
+    def record(
+        self,
+        client: str,
+        layer_indices: list[int],
+        count: int,
+        staleness: int,
+        now: float,
+        delivery_s: float | None = None,
+    ) -> None:
         if self.opened_at is None:
             self.opened_at = now
+        if delivery_s is not None:
+            self.delivery_s[client] = delivery_s
         self.covered.setdefault(client, set()).update(layer_indices)
         self.steps += count
         self.contributions += 1
@@ -313,24 +325,44 @@ class RoundPolicy(Protocol):
 
 @dataclass(frozen=True)
 class DeadlineQuorum:
-    """Close once `quorum` clients covered every layer, or `deadline_s` after the first contribution."""
+    """Close once `quorum` clients covered every layer, or at the deadline after the first contribution.
+
+    The deadline is `deadline_s` plus the time the contributors' links need for one whole
+    contribution (the quorum-th fastest; `OpenRound.delivery_s`), at most `max_stretch_s`:
+    on a fast link that is nothing, on a slow one it keeps a round from closing on a layer
+    or two and minting a version every few seconds that no download can keep up with.
+    """
 
     deadline_s: float = 5.0
     quorum: int = 1
+    max_stretch_s: float = 300.0
 
     def __post_init__(self) -> None:
-        if self.deadline_s <= 0 or self.quorum < 1:
-            raise ValueError(f"need deadline_s > 0 and quorum >= 1, got {self.deadline_s}, {self.quorum}")
+        if self.deadline_s <= 0 or self.quorum < 1 or self.max_stretch_s < 0:
+            raise ValueError(
+                f"need deadline_s > 0, quorum >= 1 and max_stretch_s >= 0, got {self.deadline_s}, "
+                f"{self.quorum}, {self.max_stretch_s}"
+            )
 
     def should_close(self, round_: OpenRound, now: float) -> bool:
         if round_.opened_at is None:
             return False  # nothing to apply
         if round_.complete_clients() >= self.quorum:
             return True
-        return now - round_.opened_at >= self.deadline_s
+        return now >= self.deadline(round_)
 
     def time_left(self, round_: OpenRound, now: float) -> float | None:
-        return None if round_.opened_at is None else round_.opened_at + self.deadline_s - now
+        return None if round_.opened_at is None else self.deadline(round_) - now
+
+    def deadline(self, round_: OpenRound) -> float:
+        assert round_.opened_at is not None
+        return round_.opened_at + self.deadline_s + self.stretch(round_)
+
+    def stretch(self, round_: OpenRound) -> float:
+        times = sorted(round_.delivery_s.values())
+        if not times:
+            return 0.0
+        return min(self.max_stretch_s, times[min(self.quorum, len(times)) - 1])
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ from cloud.aggregation import (
     SuccessWeighted,
     Weighting,
 )
+from cloud.delivery import DeliveryPace
 from cloud.durability import GatewayCheckpoints
 from common.hooks import trainable_parameters
 from common.link import TokenBucket
@@ -392,6 +393,8 @@ class Gateway:
             limits_for(self.manifest, DEFAULT_LIMITS), encodings=self.options.encodings
         )
         self.acc = [self.aggregation.accumulator(p.numel()) for p in self.params]
+        self._dense_bytes = {n: p.numel() * p.element_size() for n, p in named}
+        self.delivery = DeliveryPace(sum(self._dense_bytes.values()))
         self._rates: dict[str, _Rate] = {}
         self._refusals = _RefusalLog()
         self.version = version
@@ -562,6 +565,8 @@ class Gateway:
             return
         state.last_seen = now
         self.last_heard_at = now
+        dense = sum(self._dense_bytes[layer.name] for layer in msg.layers) if isinstance(msg, Push) else 0
+        self.delivery.arrived(state.client_id, size, now, dense)
         if isinstance(msg, Push):
             self.metrics.bytes.inc(state.client_id, by=size)
             self._on_push(route, state, msg, now)
@@ -661,6 +666,7 @@ class Gateway:
         del self.clients[oldest.client_id]
         self.routes.pop(oldest.route, None)
         self._rates.pop(oldest.client_id, None)
+        self.delivery.forget(oldest.client_id)
         return True
 
     def _on_push(self, route: bytes, state: ClientState, msg: Push, now: float) -> None:
@@ -745,7 +751,7 @@ class Gateway:
             self.open.layer_steps[i] += layer.count
             indices.append(i)
             count = max(count, layer.count)
-        self.open.record(cid, indices, count, staleness, now)
+        self.open.record(cid, indices, count, staleness, now, self.delivery.delivery_s(cid))
         epoch = self._epoch()
         state.record(msg.seq, "", msg.attempt, epoch)
         self._ack(route, msg.seq, True, None, "", attempt=msg.attempt, epoch=epoch)

@@ -5,8 +5,11 @@ heartbeat or an ack sent after waits behind, so on a slow link the edge must
 know how much it may queue, how long an answer may take, and how long silence
 can last before the connection is presumed dead.  `LinkMeter` estimates one
 direction's rate from request/answer pairs (a push and its ack, a model fetch
-and its chunk): on a FIFO link the time from the later of a message's send and
-the previous answer to its own answer is the time the link spent on it.
+and its chunk): on a FIFO link every byte sent since a message of a busy run
+went out has crossed once its answer comes, a lower bound on the rate; the
+estimate is the largest recent one.  `Backlog` says what is still on the link
+by that rate, without waiting for answers that queue behind the other
+direction's traffic.
 
 From the rate:
 - `budget(size)`: bytes that may be outstanding, about `queue_s` of the link
@@ -23,9 +26,13 @@ bucket on what this side sends: a site keeps the rest of its link.
 
 from __future__ import annotations
 
+from collections import deque
+
 from common.link import TokenBucket
 
 MIN_SAMPLE_BYTES = 32 * 1024  # smaller answers time the round trip, not the link
+RUN_WINDOW_S = 10.0  # a busy run's rate is taken over about this long of its newest answers
+RATE_WINDOW_S = 30.0  # the rate is the largest sample this recent (the newest if all are older)
 
 
 class LinkMeter:
@@ -36,20 +43,20 @@ class LinkMeter:
         initial_bps: float = 4e6,
         queue_s: float = 1.0,
         min_budget: int = 256 * 1024,
-        alpha: float = 0.3,
     ) -> None:
-        if initial_bps <= 0 or queue_s <= 0 or min_budget < 1 or not 0 < alpha <= 1:
-            raise ValueError("initial_bps and queue_s must be > 0, min_budget >= 1, alpha in (0, 1]")
+        if initial_bps <= 0 or queue_s <= 0 or min_budget < 1:
+            raise ValueError("initial_bps and queue_s must be > 0, min_budget >= 1")
         self.rate = float(initial_bps)
         self.queue_s = queue_s
         self.min_budget = min_budget
-        self.alpha = alpha
         self.measured = False
         # The path's round trip, the smallest seen (small messages, the handshake): a sample taken
         # on an idle link holds it, and a long but empty path is not a slow one.
         self.rtt = 0.0
         self._rtt_seen = False
         self._last_answer = float("-inf")
+        self._run: deque[tuple[float, float, int]] = deque()  # (sent, answered, bytes): a busy run
+        self._samples: deque[tuple[float, float]] = deque()  # (when, bytes/s)
 
     def observe_rtt(self, seconds: float) -> None:
         if seconds > 0 and (not self._rtt_seen or seconds < self.rtt):
@@ -59,27 +66,43 @@ class LinkMeter:
         """An answer to a message of `nbytes` sent at `sent_at` (on this connection) came now.
 
         If the link was still busy with the previous answer when this message was sent, the
-        gap between the two answers is this message's time on the link: a sample of the rate.
-        Otherwise the gap also holds the round trip (and any queue in the other direction):
-        a lower bound, used only while nothing better is known or when it is above the estimate.
+        message joins a busy run: every byte of the run's recent messages crossed between the
+        first one's send and now, a sample of the rate.  Send times, not answer gaps: answers
+        that queued behind traffic the other way (or a busy gateway) come in bunches, and a gap
+        of a millisecond once read as 80 Mbit/s on a 10 Mbit/s link sent its edge's pushes into
+        30 s queues.  A message sent onto an idle link starts a run; its own time also holds the
+        round trip (less the smallest seen): a lower bound, used only while nothing better is
+        known or when it is above the estimate.
         """
         busy = sent_at <= self._last_answer
-        began = max(sent_at, self._last_answer) if busy else sent_at + self.rtt
         self._last_answer = now
         if nbytes < MIN_SAMPLE_BYTES:
             if not busy:
                 self.observe_rtt(now - sent_at)
             return
+        if not busy:
+            self._run.clear()
+        self._run.append((sent_at, now, nbytes))
+        while len(self._run) > 2 and now - self._run[1][1] >= RUN_WINDOW_S:
+            self._run.popleft()
+        began = self._run[0][0] + (self.rtt if len(self._run) == 1 else 0.0)
         # At least a millisecond: an answer that came back within the round trip says the link
         # carried the message in no measurable time, a fast link, not an unmeasured one.
-        sample = nbytes / max(now - began, 1e-3)
-        if not self.measured:
-            self.rate, self.measured = sample, True
-        elif busy or sample > self.rate:
-            self.rate += self.alpha * (sample - self.rate)
+        sample = sum(b for _, _, b in self._run) / max(now - began, 1e-3)
+        # Every sample is a lower bound (bytes sent after `began` crossed by now; an idle link
+        # or a late answer only makes it lower), so the estimate is the largest recent one, as
+        # BBR takes its bottleneck bandwidth: an average of lower bounds drifted to a third of
+        # the link within two minutes, and pacing by it made that the link's speed.
+        if len(self._run) == 1 and self.measured and sample <= self.rate:
+            return  # a lone message on an idle link: the round trip blurs it; it says nothing new
+        self._samples.append((now, sample))
+        while len(self._samples) > 1 and now - self._samples[0][0] > RATE_WINDOW_S:
+            self._samples.popleft()
+        self.rate, self.measured = max(r for _, r in self._samples), True
 
     def connection_replaced(self) -> None:
         self._last_answer = float("-inf")
+        self._run.clear()  # the rate samples stay: the same path
 
     def budget(self, size: int = 0) -> int:
         """Bytes that may be outstanding on the connection (at least one message of `size`)."""
@@ -88,6 +111,33 @@ class LinkMeter:
     def expected_s(self, nbytes: int) -> float:
         """Seconds for the link to carry `nbytes`."""
         return nbytes / self.rate
+
+
+class Backlog:
+    """Bytes still crossing one direction, by a fluid model: a send adds, the measured rate drains.
+
+    An answer proves the bytes before it crossed, but on a slow link it may queue behind
+    megabytes going the other way (model chunks ahead of an ack): judging room on the uplink
+    by answers alone left it idle while acks waited (measured: 3 of 10 Mbit/s used).  The
+    owner takes the smaller of this and what is unanswered, so answers still cut it.  Until
+    the rate is measured nothing drains: only answers make room.
+    """
+
+    def __init__(self, meter: LinkMeter) -> None:
+        self.meter = meter
+        self._level = 0.0
+        self._at = 0.0
+
+    def level(self, now: float) -> float:
+        if not self.meter.measured:
+            return self._level
+        return max(0.0, self._level - self.meter.rate * (now - self._at))
+
+    def add(self, nbytes: int, now: float) -> None:
+        self._level, self._at = self.level(now) + nbytes, now
+
+    def clear(self) -> None:
+        self._level = 0.0
 
 
 class UploadCap:

@@ -78,7 +78,7 @@ from common.link import Backoff, Faults, FaultyChannel
 from common.metrics import LATENCY_BUCKETS_S, STALENESS_BUCKETS, Metrics
 from edge.cache import Flight, GradientCache
 from edge.download import ModelDownload
-from edge.pacing import LinkMeter, UploadCap
+from edge.pacing import Backlog, LinkMeter, UploadCap
 from edge.persistence import EdgeState
 from protocol import (
     DEFAULT_LIMITS,
@@ -278,6 +278,7 @@ class EdgeSession:
         # to anything sent later means they never will be (one FIFO each way), see _covers.
         self._queued: dict[int, tuple[int, float]] = {}
         self._queued_bytes = 0
+        self._uplink_fluid = Backlog(self.uplink)  # what the rate says has not crossed yet
         self._largest_unit = max((u.numel * u.dtype.itemsize for u in cache.units), default=0)
         self._cap_ready_at = 0.0  # the upload cap holds back the next push until then
         self._refetching = False  # downloading the newest model again, whatever its version
@@ -531,6 +532,7 @@ class EdgeSession:
                     self._mark_weak(u, flight)
                 flight.attempts = 0  # copies are counted per connection (see _adapt_resend)
         self._covers(now)  # what went out on the old socket is answered there or not at all
+        self._uplink_fluid.clear()
         resumed = self.download.stats.resumed
         self.download.connection_lost()  # what has arrived stays; the rest is asked for anew
         self.metrics.download_resumes.inc(by=self.download.stats.resumed - resumed)
@@ -649,6 +651,7 @@ class EdgeSession:
             nbytes, first = self._queued.get(flight.seq, (0, now))
             self._queued[flight.seq] = (nbytes + _nbytes(flight), first)
             self._queued_bytes += _nbytes(flight)
+            self._uplink_fluid.add(_nbytes(flight), now)
         for name, shape in zip(unit.names, unit.shapes):
             self.metrics.sent_bytes.inc(name, by=math.prod(shape) * unit.dtype.itemsize)
             self.metrics.staleness.observe(name, value=max(0, self.announced - flight.base_version))
@@ -756,7 +759,8 @@ class EdgeSession:
         """Credit, and room on the link: what is queued drains within the uplink's budget, and the cap."""
         if self._outstanding() >= self.credit:
             return False
-        if self._queued_bytes and self._queued_bytes + nbytes > self.uplink.budget(nbytes):
+        backlog = self._uplink_backlog(now)
+        if backlog and backlog + nbytes > self.uplink.budget(nbytes):
             return False
         ready = self.upload_cap.ready_at(nbytes, now)
         if ready > now:
@@ -764,12 +768,20 @@ class EdgeSession:
             return False
         return True
 
+    def _uplink_backlog(self, now: float) -> int:
+        """Bytes of pushes still on the uplink: unanswered, and not yet drained at the measured rate."""
+        return min(self._queued_bytes, int(self._uplink_fluid.level(now)))
+
     def _deadline(self, nbytes: int, now: float) -> float:
         """When an answer is overdue: the per-layer deadline plus twice what the link needs for the
-        bytes queued ahead and this push (a push slower than that is weak; one merely large is not)."""
+        bytes ahead of this push, the push, and the model chunks asked for before it, which its
+        answer queues behind (a push slower than that is weak; one merely large is not)."""
         if not self.uplink.measured:  # a guess must not hide loss: the first slow push may go weak
             return now + self.options.timeout_s
-        return now + self.options.timeout_s + 2 * self.uplink.expected_s(self._queued_bytes + nbytes)
+        link_s = self.uplink.expected_s(self._uplink_backlog(now) + nbytes)
+        if self.downlink.measured:
+            link_s += self.downlink.expected_s(self.download.outstanding_bytes())
+        return now + self.options.timeout_s + 2 * link_s
 
     def _resend_weak(self, now: float, sent_before: float = -math.inf) -> None:
         """Weak pushes go again, oldest first, as far as credit allows.
@@ -1088,7 +1100,7 @@ class EdgeSession:
         # Asked for now, answered once the request got past what is queued on the uplink: enough
         # to keep the downlink busy until the next chance to ask (see the order in _tick).
         # (Only once the uplink is measured: its first guess is deliberately slow.)
-        uplink_full = max(self._queued_bytes, self.uplink.budget(self._largest_unit))
+        uplink_full = max(self._uplink_backlog(now), self.uplink.budget(self._largest_unit))
         ahead_s = min(8.0, self.uplink.expected_s(uplink_full)) if self.uplink.measured else 0.0
         budget = int(self.downlink.budget(self.download.chunk_bytes) * (1.0 + ahead_s))
         # Over TCP a request is answered unless the connection goes (then all are asked anew); a

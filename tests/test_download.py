@@ -22,7 +22,7 @@ from torch import nn
 from cloud.aggregation import DeadlineQuorum, SuccessWeighted
 from cloud.gateway import Gateway, GatewayOptions
 from edge.download import ModelDownload
-from edge.pacing import LinkMeter, UploadCap
+from edge.pacing import Backlog, LinkMeter, UploadCap
 from protocol import Manifest, ModelChunk, ModelFetch, Reason, blob, decode, encode
 
 CHUNK = 1024
@@ -175,6 +175,36 @@ def test_the_meter_measures_a_busy_fifo_link_and_ignores_idle_gaps() -> None:
     small = LinkMeter(initial_bps=1e3)
     small.answered(100, sent_at=0.0, now=1.0)  # a small answer times the round trip, not the link
     assert not small.measured
+
+
+def test_answers_that_come_in_a_bunch_never_read_as_a_faster_link() -> None:
+    # Ten 1 MB pushes sent at once over 10 Mbit/s; their acks queued behind model chunks and
+    # came within 10 ms of each other 8 s later.  Gaps between answers would say 1 GB/s.
+    meter = LinkMeter(initial_bps=1e3)
+    for i in range(10):
+        meter.answered(1_000_000, sent_at=0.0, now=8.0 + i * 0.001)
+    assert meter.measured and meter.rate <= 1.25e6 * 1.01
+    # The link keeps busy: one push every 0.8 s, answered as it crosses.
+    for i in range(30):
+        meter.answered(1_000_000, sent_at=8.0 + i * 0.8, now=8.8 + i * 0.8)
+    assert meter.rate == pytest.approx(1.25e6, rel=0.15)
+
+
+def test_the_backlog_drains_at_the_measured_rate_without_waiting_for_answers() -> None:
+    # An ack may wait seconds behind model chunks going the other way; the uplink is free
+    # as soon as its bytes crossed, which the measured rate says.
+    meter = LinkMeter(initial_bps=1e3)
+    backlog = Backlog(meter)
+    backlog.add(1_000_000, now=0.0)
+    assert backlog.level(now=50.0) == 1_000_000  # unmeasured: only answers make room
+    backlog.clear()  # a new connection: nothing of ours on it
+    assert backlog.level(now=50.0) == 0.0
+    meter.answered(256 * 1024, sent_at=50.0, now=50.0 + 256 * 1024 / 1.25e6)  # 10 Mbit/s
+    backlog.add(2_500_000, now=100.0)
+    backlog.add(1_250_000, now=101.0)  # one second later: one second's bytes crossed
+    assert backlog.level(now=101.0) == pytest.approx(2_500_000, rel=0.01)
+    assert backlog.level(now=102.0) == pytest.approx(1_250_000, rel=0.01)
+    assert backlog.level(now=110.0) == 0.0  # never below empty
 
 
 def test_the_upload_cap_holds_the_average_rate() -> None:

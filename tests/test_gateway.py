@@ -19,6 +19,7 @@ from cloud.aggregation import (
     OpenRound,
     SuccessWeighted,
 )
+from cloud.delivery import DeliveryPace
 from cloud.gateway import Gateway, GatewayOptions
 from protocol import (
     Ack,
@@ -244,6 +245,46 @@ def test_round_policy_closes_on_quorum_or_deadline() -> None:
     assert policy.should_close(rnd, now=11.0)  # deadline
     rnd.record("b", [1], 1, 0, now=10.8)
     assert policy.should_close(rnd, now=10.8)  # quorum
+
+
+def test_a_round_waits_as_long_as_its_contributors_links_need_for_a_whole_contribution() -> None:
+    # On a slow link a contribution to every layer takes longer than the configured deadline:
+    # the round waits for it (the quorum-th fastest contributor), capped, instead of closing
+    # on a layer or two.
+    policy = DeadlineQuorum(deadline_s=1.0, quorum=2, max_stretch_s=30.0)
+    rnd = OpenRound(number=1, layers=2)
+    rnd.record("a", [0], 1, 0, now=10.0, delivery_s=20.0)
+    assert policy.time_left(rnd, now=10.0) == pytest.approx(1.0 + 20.0)  # one contributor: its time
+    rnd.record("b", [0], 1, 0, now=10.5, delivery_s=4.0)
+    rnd.record("c", [0], 1, 0, now=10.6, delivery_s=8.0)
+    assert policy.stretch(rnd) == 8.0  # the second fastest of three, for a quorum of 2
+    assert not policy.should_close(rnd, now=18.9) and policy.should_close(rnd, now=19.0)
+    rnd.record("c", [1], 1, 0, now=11.0, delivery_s=500.0)  # the latest estimate counts; capped
+    assert policy.stretch(rnd) == 20.0
+    slowest = OpenRound(number=2, layers=2)
+    slowest.record("a", [0], 1, 0, now=0.0, delivery_s=500.0)
+    assert policy.deadline(slowest) == 1.0 + 30.0
+    rnd.record("a", [1], 1, 0, now=11.0)
+    rnd.record("b", [1], 1, 0, now=11.0)
+    assert policy.should_close(rnd, now=11.0)  # quorum, whatever the stretch
+
+
+def test_delivery_pace_measures_an_edges_link_from_arrivals_alone() -> None:
+    pace = DeliveryPace(model_bytes=10_000_000)
+    pace.arrived("a", 100, now=0.0)  # a hello: no gap to time yet
+    assert pace.delivery_s("a") is None
+    pace.arrived("a", 1_000_000, now=1.0, dense_bytes=1_000_000)  # 1 MB in 1 s
+    assert pace.delivery_s("a") == pytest.approx(10.0)
+    pace.arrived("a", 1_000_000, now=11.0, dense_bytes=1_000_000)  # after an idle spell: lower
+    assert pace.delivery_s("a") == pytest.approx(10.0)  # the largest recent sample stands
+    pace.arrived("a", 500, now=11.001, dense_bytes=500)  # small: times compute, not the link
+    assert pace.delivery_s("a") == pytest.approx(10.0)
+    pace.arrived("a", 250_000, now=11.251, dense_bytes=1_000_000)  # int8-like: a quarter the bytes
+    assert pace.delivery_s("a") == pytest.approx(0.25 * 10_000_000 / 1_000_000)
+    pace.forget("a")
+    assert pace.delivery_s("a") is None
+    with pytest.raises(ValueError, match="model_bytes"):
+        DeliveryPace(0)
 
 
 def test_accumulator_and_weighting_validate() -> None:

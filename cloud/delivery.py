@@ -1,0 +1,65 @@
+"""How long each edge takes to deliver one contribution to every layer, measured at the gateway.
+
+A round closes when `quorum` edges covered every layer or a deadline after its
+first contribution passes.  A fixed deadline suits fast links; on a 10 Mbit/s
+uplink one contribution to a 26 MB model takes some 25 s, so a 5 s deadline
+closes rounds holding a layer or two (measured: rounds of 1 step-gradient every
+5-10 s), every one a new version that obsoletes the downloads in progress and
+ages every push in flight.  The round policy stretches its deadline by the time
+the contributing edges need to deliver a whole contribution, which this module
+measures from nothing but arrivals: no clock of the edge's, no new field.
+
+Per edge: the rate of its uplink, sampled as a large push's bytes over the gap
+since the edge's previous message arrived (on a busy FIFO link that gap is the
+push's time on the link; an idle edge makes the gap longer and the sample
+lower, so the estimate is the largest of the recent samples), and the ratio of
+its pushes' wire bytes to their dense size (compression makes contributions
+smaller).  Delivery time = ratio x dense model bytes / rate.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+MIN_SAMPLE_BYTES = 32 * 1024  # a smaller message's gap times the edge's compute, not its link
+SAMPLES = 8  # recent rate samples kept per edge; the estimate is their largest
+
+
+@dataclass
+class _Edge:
+    last_arrival: float
+    rates: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLES))
+    wire_ratio: float = 1.0
+
+
+class DeliveryPace:
+    """Per edge: seconds to deliver a contribution to every layer, once its link was sampled."""
+
+    def __init__(self, model_bytes: int) -> None:
+        if model_bytes < 1:
+            raise ValueError(f"model_bytes must be >= 1, got {model_bytes}")
+        self.model_bytes = model_bytes
+        self._edges: dict[str, _Edge] = {}
+
+    def arrived(self, client: str, nbytes: int, now: float, dense_bytes: int = 0) -> None:
+        """A message of `nbytes` from `client` was received now; a push says its layers' dense size."""
+        edge = self._edges.get(client)
+        if edge is None:
+            self._edges[client] = _Edge(last_arrival=now)
+            return
+        gap, edge.last_arrival = now - edge.last_arrival, now
+        if dense_bytes > 0:
+            edge.wire_ratio = min(1.0, nbytes / dense_bytes)
+            if nbytes >= MIN_SAMPLE_BYTES and gap > 0:
+                edge.rates.append(nbytes / gap)
+
+    def delivery_s(self, client: str) -> float | None:
+        """None until the edge's link was sampled (then a round waits only its configured deadline)."""
+        edge = self._edges.get(client)
+        if edge is None or not edge.rates:
+            return None
+        return edge.wire_ratio * self.model_bytes / max(edge.rates)
+
+    def forget(self, client: str) -> None:
+        self._edges.pop(client, None)
