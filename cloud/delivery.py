@@ -12,24 +12,23 @@ measures from nothing but arrivals: no clock of the edge's, no new field.
 Per edge: the rate of its uplink, sampled as a large push's bytes over the gap
 since the edge's previous message arrived (on a busy FIFO link that gap is the
 push's time on the link; an idle edge makes the gap longer and the sample
-lower, so the estimate is the largest of the recent samples), and the ratio of
+lower, so the estimate is the largest recent one, `common.link.RecentMax`, as
+the edge's own link meter takes it), and the ratio of
 its pushes' wire bytes to their dense size (compression makes contributions
 smaller).  Delivery time = ratio x dense model bytes / rate.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
-MIN_SAMPLE_BYTES = 32 * 1024  # a smaller message's gap times the edge's compute, not its link
-SAMPLES = 8  # recent rate samples kept per edge; the estimate is their largest
+from common.link import RATE_SAMPLE_MIN_BYTES, RecentMax
 
 
 @dataclass
 class _Edge:
     last_arrival: float
-    rates: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLES))
+    rate: RecentMax = field(default_factory=RecentMax)  # bytes/s
     wire_ratio: float = 1.0
 
 
@@ -51,15 +50,13 @@ class DeliveryPace:
         gap, edge.last_arrival = now - edge.last_arrival, now
         if dense_bytes > 0:
             edge.wire_ratio = min(1.0, nbytes / dense_bytes)
-            if nbytes >= MIN_SAMPLE_BYTES and gap > 0:
-                edge.rates.append(nbytes / gap)
+            if nbytes >= RATE_SAMPLE_MIN_BYTES and gap > 0:
+                edge.rate.add(nbytes / gap, now)
 
     def delivery_s(self, client: str) -> float | None:
         """None until the edge's link was sampled (then a round waits only its configured deadline)."""
-        edge = self._edges.get(client)
-        if edge is None or not edge.rates:
-            return None
-        return edge.wire_ratio * self.model_bytes / max(edge.rates)
+        rate = None if client not in self._edges else self._edges[client].rate.value
+        return None if rate is None else self._edges[client].wire_ratio * self.model_bytes / rate
 
     def forget(self, client: str) -> None:
         self._edges.pop(client, None)

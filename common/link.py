@@ -3,7 +3,8 @@
 `Faults` describes a bad link (loss with or without bursts, delay and jitter,
 duplication, reordering, scheduled outages); `FaultyChannel` applies it to one
 direction of a message stream, seeded so that a run can be repeated exactly;
-`TokenBucket` caps a link's bandwidth (used by `elasticfed linksim`).
+`TokenBucket` caps a link's bandwidth (used by `elasticfed linksim`);
+`RecentMax` is how both ends estimate a link's rate from lower bounds.
 The edge session puts one channel on each direction of its socket, in process,
 which is how the tests and `elasticfed demo` make a loopback link lossy.
 Nothing here knows about training or about what the messages mean.
@@ -16,6 +17,7 @@ import itertools
 import math
 import random
 import re
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, Generic, TypeVar
@@ -269,3 +271,33 @@ class Backoff:
 
     def reset(self) -> None:
         self.attempt = 0
+
+
+RATE_SAMPLE_MIN_BYTES = 32 * 1024  # a smaller message's timing is the path's latency, not its rate
+RATE_WINDOW_S = 30.0  # a link's rate is the largest lower bound measured this recently
+
+
+class RecentMax:
+    """The largest sample of the last `window_s` seconds (the newest, if all are older).
+
+    Rate samples taken from message timings are lower bounds (an idle link or a late
+    answer only makes them lower), so the estimate is the largest recent one, as BBR
+    estimates a bottleneck's bandwidth: an average of lower bounds drifts down, and a
+    sender paced by it makes that the link's speed.  The edge's link meter and the
+    gateway's delivery pace both use it.
+    """
+
+    def __init__(self, window_s: float = RATE_WINDOW_S) -> None:
+        if window_s <= 0:
+            raise ValueError(f"window_s must be > 0, got {window_s}")
+        self.window_s = window_s
+        self._samples: deque[tuple[float, float]] = deque()
+
+    def add(self, value: float, now: float) -> None:
+        self._samples.append((now, value))
+        while len(self._samples) > 1 and now - self._samples[0][0] > self.window_s:
+            self._samples.popleft()
+
+    @property
+    def value(self) -> float | None:
+        return max(v for _, v in self._samples) if self._samples else None

@@ -28,11 +28,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from common.link import TokenBucket
+from common.link import RATE_SAMPLE_MIN_BYTES, RecentMax, TokenBucket
 
-MIN_SAMPLE_BYTES = 32 * 1024  # smaller answers time the round trip, not the link
 RUN_WINDOW_S = 10.0  # a busy run's rate is taken over about this long of its newest answers
-RATE_WINDOW_S = 30.0  # the rate is the largest sample this recent (the newest if all are older)
 
 
 class LinkMeter:
@@ -56,7 +54,7 @@ class LinkMeter:
         self._rtt_seen = False
         self._last_answer = float("-inf")
         self._run: deque[tuple[float, float, int]] = deque()  # (sent, answered, bytes): a busy run
-        self._samples: deque[tuple[float, float]] = deque()  # (when, bytes/s)
+        self._samples = RecentMax()  # bytes/s
 
     def observe_rtt(self, seconds: float) -> None:
         if seconds > 0 and (not self._rtt_seen or seconds < self.rtt):
@@ -76,7 +74,7 @@ class LinkMeter:
         """
         busy = sent_at <= self._last_answer
         self._last_answer = now
-        if nbytes < MIN_SAMPLE_BYTES:
+        if nbytes < RATE_SAMPLE_MIN_BYTES:
             if not busy:
                 self.observe_rtt(now - sent_at)
             return
@@ -89,16 +87,12 @@ class LinkMeter:
         # At least a millisecond: an answer that came back within the round trip says the link
         # carried the message in no measurable time, a fast link, not an unmeasured one.
         sample = sum(b for _, _, b in self._run) / max(now - began, 1e-3)
-        # Every sample is a lower bound (bytes sent after `began` crossed by now; an idle link
-        # or a late answer only makes it lower), so the estimate is the largest recent one, as
-        # BBR takes its bottleneck bandwidth: an average of lower bounds drifted to a third of
-        # the link within two minutes, and pacing by it made that the link's speed.
+        # A lower bound (bytes sent after `began` crossed by now): the estimate is the largest
+        # recent one (common.link.RecentMax).
         if len(self._run) == 1 and self.measured and sample <= self.rate:
             return  # a lone message on an idle link: the round trip blurs it; it says nothing new
-        self._samples.append((now, sample))
-        while len(self._samples) > 1 and now - self._samples[0][0] > RATE_WINDOW_S:
-            self._samples.popleft()
-        self.rate, self.measured = max(r for _, r in self._samples), True
+        self._samples.add(sample, now)
+        self.rate, self.measured = self._samples.value or sample, True
 
     def connection_replaced(self) -> None:
         self._last_answer = float("-inf")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.link import Backoff, Faults, FaultyChannel
+from common.link import Backoff, Faults, FaultyChannel, RecentMax
 
 
 def channel(faults: Faults, stream: int = 0) -> FaultyChannel[int]:
@@ -118,3 +118,17 @@ def test_backoff_grows_with_full_jitter_up_to_the_cap() -> None:
         assert ceiling / 2 <= d <= ceiling
     backoff.reset()
     assert backoff.next_delay() <= 0.1
+
+
+def test_recent_max_keeps_the_largest_recent_lower_bound_and_forgets_old_ones() -> None:
+    rates = RecentMax(window_s=30.0)
+    assert rates.value is None
+    rates.add(10.0, now=0.0)
+    rates.add(4.0, now=5.0)  # an idle spell: a lower bound that says nothing new
+    assert rates.value == 10.0
+    rates.add(6.0, now=40.0)  # the link got slower: the old maximum ages out
+    assert rates.value == 6.0
+    rates.add(2.0, now=100.0)  # all older than the window: the newest stands
+    assert rates.value == 2.0
+    with pytest.raises(ValueError, match="window_s"):
+        RecentMax(0.0)
