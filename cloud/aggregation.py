@@ -46,34 +46,49 @@ class Weighting(Protocol):
         """What the contribution adds to the divisor of its layer's average."""
         ...
 
-    def min_divisor(self) -> int:
-        """The divisor of a layer's average is at least this (however few contributed)."""
+    def min_divisor(self, active: int) -> int:
+        """The divisor of a layer's average is at least this (however few contributed), given
+        how many edges are contributing now (`cloud.delivery.ActiveFleet`)."""
         ...
+
+
+def staleness_weight(staleness: int, discount: float = 1.0, exponent: float = 0.0) -> float:
+    """(1 + s)^-exponent (FedBuff's and FedScale's 1/sqrt(1 + s) at 0.5) x discount^s.
+
+    A step-gradient computed on a model s versions old points where that model
+    needed to go; early in training such gradients are large, and applied at full
+    weight to a model that moved on they undo its progress (measured on the base
+    text task at 10 Mbit/s: 4.9 bits per byte at 90 s, back to 7.5 at 210 s).
+    """
+    return (1.0 + staleness) ** -exponent * discount**staleness
 
 
 @dataclass(frozen=True)
 class SuccessWeighted:
-    """sum(discount**staleness * sums) / sum(counts); older than `max_staleness`: dropped, counted."""
+    """sum(staleness_weight(s) * sums) / sum(counts); older than `max_staleness`: dropped, counted."""
 
     max_staleness: int = 8
     discount: float = 1.0
+    exponent: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
         if not 0.0 < self.discount <= 1.0:
             raise ValueError(f"staleness discount must be in (0, 1], got {self.discount}")
+        if not 0.0 <= self.exponent <= 4.0:
+            raise ValueError(f"staleness exponent must be in [0, 4], got {self.exponent}")
 
     def admit(self, staleness: int) -> bool:
         return staleness <= self.max_staleness
 
     def scale(self, staleness: int) -> float:
-        return self.discount**staleness
+        return staleness_weight(staleness, self.discount, self.exponent)
 
     def share(self, count: int) -> int:
         return count
 
-    def min_divisor(self) -> int:
+    def min_divisor(self, active: int) -> int:
         return 1
 
 
@@ -96,13 +111,14 @@ class LocalProgress:
     max_staleness: int = 8
     discount: float = 1.0
     expected: int = 1
+    exponent: float = 0.0
 
     def __post_init__(self) -> None:
         if self.edge_lr <= 0 or self.gateway_lr <= 0:
             raise ValueError(
                 f"learning rates must be > 0, got edge {self.edge_lr}, gateway {self.gateway_lr}"
             )
-        SuccessWeighted(self.max_staleness, self.discount)  # same checks
+        SuccessWeighted(self.max_staleness, self.discount, self.exponent)  # same checks
         if self.expected < 1:
             raise ValueError(f"expected contributions must be >= 1, got {self.expected}")
 
@@ -110,13 +126,13 @@ class LocalProgress:
         return staleness <= self.max_staleness
 
     def scale(self, staleness: int) -> float:
-        return self.edge_lr / self.gateway_lr * self.discount**staleness
+        return self.edge_lr / self.gateway_lr * staleness_weight(staleness, self.discount, self.exponent)
 
     def share(self, count: int) -> int:
         return 1
 
-    def min_divisor(self) -> int:
-        return self.expected
+    def min_divisor(self, active: int) -> int:
+        return max(self.expected, active)
 
 
 class Accumulator(Protocol):

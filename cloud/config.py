@@ -23,8 +23,14 @@ class GatewaySettings:
     round_deadline_s: float = setting(5.0, "a round closes this long after its first contribution", min=0.01)
     quorum: int = setting(1, "a round closes early once this many edges contributed to every layer", min=1)
     max_staleness: int = setting(8, "contributions older than this many versions are dropped", min=0)
+    staleness_exponent: float = setting(
+        0.5,
+        "scale a contribution by (1 + its staleness)^-exponent (0.5: FedBuff's 1/sqrt(1 + s); 0: none)",
+        min=0.0,
+        max=4.0,
+    )
     staleness_discount: float = setting(
-        1.0, "scale a contribution by this to the power of its staleness (1: none)", min=0.001, max=1.0
+        1.0, "also scale it by this to the power of its staleness (1: none)", min=0.001, max=1.0
     )
     weighting: str = setting(
         "auto",

@@ -108,10 +108,13 @@ def build_gateway(
             gateway_lr=lr,
             max_staleness=g.max_staleness,
             discount=g.staleness_discount,
+            exponent=g.staleness_exponent,
             expected=g.quorum,
         )
     else:
-        weighting = SuccessWeighted(max_staleness=g.max_staleness, discount=g.staleness_discount)
+        weighting = SuccessWeighted(
+            max_staleness=g.max_staleness, discount=g.staleness_discount, exponent=g.staleness_exponent
+        )
     return Gateway(
         model,
         optimizer,

@@ -30,6 +30,7 @@ from torch import nn
 
 from common.hooks import GradientHooks, pack_by_size, trainable_parameters
 from edge.cache import GradientCache
+from edge.direction import Direction, RawGradient, SgdDirection
 from edge.session import EdgeSession, SessionOptions
 from protocol import Manifest
 
@@ -70,10 +71,16 @@ class ElasticEdge(nn.Module):
         # are neither produced nor sent, and the edge fetches the global model again.
         self.nonfinite_steps = 0
         self._diverged = False
+        self.direction: Direction = RawGradient()
         self.session = EdgeSession(options, self.manifest, self.cache, model_version)
         self.hooks = GradientHooks(named, self, plan)
         if start:
             self.session.start()
+
+    def follow(self, optimizer: torch.optim.Optimizer) -> None:
+        """Push what `optimizer.step()` moves each parameter by (over its learning rate) instead of
+        the raw gradient: with momentum the two differ tenfold (edge/direction.py)."""
+        self.direction = SgdDirection(optimizer)
 
     # -------------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -92,6 +99,7 @@ class ElasticEdge(nn.Module):
                 param.copy_(layer.payload.tensor, non_blocking=True)
         self.version = model.version
         self.models_adopted += 1
+        self.direction.restart()
         return True
 
     def wait_ready(self, timeout_s: float, stop: threading.Event | None = None) -> bool:
@@ -119,7 +127,8 @@ class ElasticEdge(nn.Module):
 
     # ------------------------------------------------------------ GradientSink
     def unit_ready(self, unit: int) -> None:
-        grads = [self.hooks.params[i].grad for i in self.hooks.plan[unit]]
+        params = [self.hooks.params[i] for i in self.hooks.plan[unit]]
+        grads = [None if p.grad is None else self.direction(p, p.grad) for p in params]
         if not _finite(grads):
             # One NaN would poison every later step summed with it, and the gateway refuses it.
             self._diverged = True

@@ -151,6 +151,8 @@ class EdgeRefused(RuntimeError):
     """The gateway refused this edge for good (e.g. its model does not match); the text says why."""
 
 
+MIN_WAIT_S = 0.005  # the I/O thread's shortest timer: a due action it cannot take waits at least this
+
 # Refusals after which trying again cannot help: the operator has to act.
 _FATAL_REJECTS = {
     Reason.MANIFEST.value: "the gateway refused this edge's model",
@@ -281,6 +283,7 @@ class EdgeSession:
         self._uplink_fluid = Backlog(self.uplink)  # what the rate says has not crossed yet
         self._largest_unit = max((u.numel * u.dtype.itemsize for u in cache.units), default=0)
         self._cap_ready_at = 0.0  # the upload cap holds back the next push until then
+        self._link_ready_at = 0.0  # the uplink's backlog holds back the next push until then
         self._refetching = False  # downloading the newest model again, whatever its version
         self._flights: dict[int, int] = {}  # seq -> unit
         self._outstanding_n = 0  # flights sent whose deadline has not passed
@@ -474,10 +477,11 @@ class EdgeSession:
                 times.append(self._save_retry_at)
         if self._has_weak():
             times.append(self._last_probe + self._probe_s)
-            for u in self._flights.values():
-                flight = self.cache.units[u].flight
-                if flight is not None and not flight.outstanding:
-                    times.append(flight.resend_at)
+            if self.loses_messages:  # otherwise a weak push goes again on an answer, not a timer
+                for u in self._flights.values():
+                    flight = self.cache.units[u].flight
+                    if flight is not None and not flight.outstanding:
+                        times.append(max(flight.resend_at, self._link_ready_at))
         if self._sock is not None and not self.welcomed:
             times.append(self._last_hello + self._probe_s)
         if self._sock is None:
@@ -760,7 +764,10 @@ class EdgeSession:
         if self._outstanding() >= self.credit:
             return False
         backlog = self._uplink_backlog(now)
-        if backlog and backlog + nbytes > self.uplink.budget(nbytes):
+        excess = backlog + nbytes - self.uplink.budget(nbytes)
+        if backlog and excess > 0:
+            # Wake when that much has drained, not at a resend time already past (a 1 ms spin).
+            self._link_ready_at = now + max(MIN_WAIT_S, self.uplink.expected_s(excess))
             return False
         ready = self.upload_cap.ready_at(nbytes, now)
         if ready > now:

@@ -18,8 +18,9 @@ from cloud.aggregation import (
     LocalProgress,
     OpenRound,
     SuccessWeighted,
+    staleness_weight,
 )
-from cloud.delivery import DeliveryPace
+from cloud.delivery import ACTIVE_MIN_S, ActiveFleet, DeliveryPace
 from cloud.gateway import Gateway, GatewayOptions
 from protocol import (
     Ack,
@@ -271,20 +272,38 @@ def test_a_round_waits_as_long_as_its_contributors_links_need_for_a_whole_contri
 
 def test_delivery_pace_measures_an_edges_link_from_arrivals_alone() -> None:
     pace = DeliveryPace(model_bytes=10_000_000)
-    pace.arrived("a", 100, now=0.0)  # a hello: no gap to time yet
-    assert pace.delivery_s("a") is None
-    pace.arrived("a", 1_000_000, now=1.0, dense_bytes=1_000_000)  # 1 MB in 1 s
+    pace.arrived("a", 100, now=0.0)  # a hello
+    pace.arrived("a", 1_000_000, now=1.0, dense_bytes=1_000_000)
+    assert pace.delivery_s("a") is None  # one second is not yet a span worth timing
+    for t in (2.0, 3.0, 4.0, 5.0):  # a busy link: 1 MB a second
+        pace.arrived("a", 1_000_000, now=t, dense_bytes=1_000_000)
     assert pace.delivery_s("a") == pytest.approx(10.0)
-    pace.arrived("a", 1_000_000, now=11.0, dense_bytes=1_000_000)  # after an idle spell: lower
+    # A stall (a retransmission), then what queued behind it arrives at once: the old
+    # one-gap sample read 1 MB in a millisecond as 1 GB/s; over a span it stays a lower bound.
+    for t in (9.0, 9.001, 9.002):
+        pace.arrived("a", 1_000_000, now=t, dense_bytes=1_000_000)
     assert pace.delivery_s("a") == pytest.approx(10.0)  # the largest recent sample stands
-    pace.arrived("a", 500, now=11.001, dense_bytes=500)  # small: times compute, not the link
-    assert pace.delivery_s("a") == pytest.approx(10.0)
-    pace.arrived("a", 250_000, now=11.251, dense_bytes=1_000_000)  # int8-like: a quarter the bytes
+    pace.arrived("a", 250_000, now=9.25, dense_bytes=1_000_000)  # int8-like: a quarter the bytes
     assert pace.delivery_s("a") == pytest.approx(0.25 * 10_000_000 / 1_000_000)
     pace.forget("a")
     assert pace.delivery_s("a") is None
     with pytest.raises(ValueError, match="model_bytes"):
         DeliveryPace(0)
+
+
+def test_staleness_weights_are_the_fields_polynomial_and_exponential_rules() -> None:
+    assert staleness_weight(0, 1.0, 0.5) == 1.0  # a fresh contribution enters whole
+    assert staleness_weight(3, 1.0, 0.5) == pytest.approx(0.5)  # FedBuff: 1/sqrt(1 + 3)
+    assert staleness_weight(3, 0.5, 0.0) == pytest.approx(0.125)  # exponential only
+    assert staleness_weight(1, 0.5, 1.0) == pytest.approx(0.25)  # both
+    assert staleness_weight(5, 1.0, 0.0) == 1.0  # none
+    rule = LocalProgress(edge_lr=0.1, gateway_lr=0.2, exponent=0.5)
+    assert rule.scale(8) == pytest.approx(0.5 / 3)
+    assert SuccessWeighted(exponent=0.5).scale(15) == pytest.approx(0.25)
+    with pytest.raises(ValueError, match="staleness exponent"):
+        SuccessWeighted(exponent=-1.0)
+    with pytest.raises(ValueError, match="staleness exponent"):
+        LocalProgress(edge_lr=0.1, gateway_lr=0.2, exponent=5.0)
 
 
 def test_accumulator_and_weighting_validate() -> None:
@@ -415,6 +434,59 @@ def test_local_progress_is_the_mean_of_the_edges_moves() -> None:
         LocalProgress(edge_lr=0.0, gateway_lr=0.5)
     with pytest.raises(ValueError, match="expected contributions"):
         LocalProgress(edge_lr=0.1, gateway_lr=0.5, expected=0)
+
+
+def test_with_quorum_1_each_contribution_counts_for_its_share_of_the_contributing_fleet() -> None:
+    now = [100.0]
+    model = make_model()
+    gw = Gateway(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.5),
+        GatewayOptions(bind="tcp://127.0.0.1:0"),
+        weighting=LocalProgress(edge_lr=0.1, gateway_lr=0.5, max_staleness=4, expected=1),
+        rounds=DeadlineQuorum(deadline_s=60.0, quorum=1),
+        clock=lambda: now[0],
+    )
+    gw.bind()
+    try:
+        a, b = Peer(gw, "a"), Peer(gw, "b")
+        a.hello(gw.manifest)
+        b.hello(gw.manifest)
+        s = {n: torch.randn_like(p) for n, p in zip(gw.names, gw.params)}
+
+        def moved_by(peer: Peer, seq: int, base: int) -> float:
+            w = [p.detach().clone() for p in gw.params]
+            assert peer.push(seq, s, count=3, base=base).accepted
+            gw.poll_once(0.0)  # quorum 1: the round closes on this contribution alone
+            # The share of the edge's own move (-0.1 x its sum) the global model made.
+            pairs = zip(gw.params, w, gw.names)
+            dot = sum(float(((w0 - p.detach()) * 0.1 * s[n]).sum()) for p, w0, n in pairs)
+            return dot / sum(float((0.1 * s[n]).pow(2).sum()) for n in gw.names)
+
+        assert moved_by(a, 1, 0) == pytest.approx(1.0)  # a alone contributes: its whole move
+        now[0] += 10.0
+        assert moved_by(b, 1, 1) == pytest.approx(0.5)  # a still counts: b's move is half the fleet's
+        now[0] += 10.0
+        assert moved_by(a, 2, 2) == pytest.approx(0.5)
+        now[0] += ACTIVE_MIN_S + 5.0  # b has been silent for longer than it counts
+        assert moved_by(a, 3, 3) == pytest.approx(1.0)
+    finally:
+        gw.close()
+
+
+def test_active_fleet_counts_an_edge_until_it_is_silent_for_three_of_its_gaps() -> None:
+    fleet = ActiveFleet()
+    assert fleet.count(0.0) == 0
+    fleet.contributed("slow", 0.0)
+    fleet.contributed("slow", 300.0)  # uploads every five minutes
+    fleet.contributed("fast", 300.0)
+    assert fleet.count(300.0 + ACTIVE_MIN_S) == 2
+    assert fleet.count(300.0 + ACTIVE_MIN_S + 1) == 1  # fast (one contribution): the minimum window
+    assert fleet.count(300.0 + 3 * 300.0) == 1  # slow still counts between its uploads
+    assert fleet.count(300.0 + 3 * 300.0 + 1) == 0
+    fleet.contributed("fast", 400.0)
+    fleet.forget("fast")
+    assert fleet.count(400.0) == 1
 
 
 def _gateway(**options: object) -> Gateway:

@@ -1,0 +1,95 @@
+"""An edge pushes the move its optimizer makes, over the learning rate (edge/direction.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from edge.agent import ElasticEdge
+from edge.direction import SgdDirection
+from edge.session import SessionOptions
+
+SETTINGS = [
+    {"momentum": 0.0},
+    {"momentum": 0.9},
+    {"momentum": 0.9, "weight_decay": 1e-2},
+    {"momentum": 0.9, "nesterov": True},
+    {"momentum": 0.8, "dampening": 0.3},
+]
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+def test_the_direction_is_what_the_step_then_subtracts_over_the_learning_rate(settings: dict) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.3, **settings)
+    direction = SgdDirection(opt)
+    for step in range(5):
+        x, y = _batch(step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        ahead = [direction(p, p.grad) for p in model.parameters()]
+        opt.step()
+        for p, b, d in zip(model.parameters(), before, ahead):
+            torch.testing.assert_close(b - p.detach(), 0.3 * d, rtol=1e-5, atol=1e-7)
+
+
+def test_an_edge_that_follows_its_optimizer_caches_its_local_move() -> None:
+    model = _model()
+    agent = ElasticEdge(model, SessionOptions(gateway="tcp://127.0.0.1:9", client_id="e"), start=False)
+    opt = torch.optim.SGD(agent.parameters(), lr=0.2, momentum=0.9)
+    agent.follow(opt)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for step in range(6):
+        x, y = _batch(step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(agent(x), y).backward()
+        opt.step()
+    cached = {}
+    for unit in agent.cache.units:
+        assert unit.pending_count == 6
+        cached.update(zip(unit.names, unit.views(unit.pending)))
+    for n, p in model.named_parameters():
+        # Six momentum steps moved the model about 4x as far as 0.2 x the gradients' sum would say.
+        torch.testing.assert_close(cached[n] * 0.2, start[n] - p.detach(), rtol=1e-4, atol=1e-6)
+
+
+def test_an_optimizer_whose_step_is_not_known_at_backward_time_is_refused() -> None:
+    model = _model()
+    with pytest.raises(ValueError, match="follow torch.optim.SGD only.*got Adam"):
+        SgdDirection(torch.optim.Adam(model.parameters()))
+    with pytest.raises(ValueError, match="maximize"):
+        SgdDirection(torch.optim.SGD(model.parameters(), lr=0.1, maximize=True))
+
+
+def test_a_restart_forgets_the_momentum_built_on_the_replaced_model() -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
+    direction = SgdDirection(opt)
+    for step in range(3):
+        x, y = _batch(step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    direction.restart()  # a newer global model was loaded
+    x, y = _batch(3)
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    ahead = [direction(p, p.grad) for p in model.parameters()]
+    for p, d in zip(model.parameters(), ahead):
+        torch.testing.assert_close(d, p.grad)  # a fresh run's first step is its gradient
+    opt.step()
+    for p, b, d in zip(model.parameters(), before, ahead):
+        torch.testing.assert_close(b - p.detach(), 0.3 * d)  # and the optimizer agrees
