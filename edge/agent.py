@@ -3,6 +3,8 @@
 The training loop stays the user's own:
 
     model = ElasticEdge(net, SessionOptions(gateway="tcp://gw:7878", client_id="cam-7"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model.follow(optimizer)               # push the moves it makes (edge/direction.py)
     for x, y in loader:
         loss = loss_fn(model(x), y)       # forward first adopts a newer global model, if one came
         optimizer.zero_grad(); loss.backward(); optimizer.step()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -397,15 +397,21 @@ def test_a_reconnected_edge_keeps_its_welcome_with_the_same_routing_id(gateway: 
     old.sock.close(linger=0)
 
 
-def test_local_progress_is_the_mean_of_the_edges_moves() -> None:
+def _progress_gateway(expected: int, clock: Callable[[], float] = time.monotonic) -> Gateway:
+    """The buffered rule: edges at lr 0.1, the gateway's SGD at 0.5, no staleness weight."""
     model = make_model()
-    gw = Gateway(
+    return Gateway(
         model,
         torch.optim.SGD(model.parameters(), lr=0.5),
         GatewayOptions(bind="tcp://127.0.0.1:0"),
-        weighting=LocalProgress(edge_lr=0.1, gateway_lr=0.5, max_staleness=4, expected=2),
-        rounds=DeadlineQuorum(deadline_s=60.0, quorum=2),
+        weighting=LocalProgress(edge_lr=0.1, gateway_lr=0.5, max_staleness=4, expected=expected),
+        rounds=DeadlineQuorum(deadline_s=60.0, quorum=expected),
+        clock=clock,
     )
+
+
+def test_local_progress_is_the_mean_of_the_edges_moves() -> None:
+    gw = _progress_gateway(expected=2)
     gw.bind()
     try:
         a, b = Peer(gw, "a"), Peer(gw, "b")
@@ -438,15 +444,7 @@ def test_local_progress_is_the_mean_of_the_edges_moves() -> None:
 
 def test_with_quorum_1_each_contribution_counts_for_its_share_of_the_contributing_fleet() -> None:
     now = [100.0]
-    model = make_model()
-    gw = Gateway(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.5),
-        GatewayOptions(bind="tcp://127.0.0.1:0"),
-        weighting=LocalProgress(edge_lr=0.1, gateway_lr=0.5, max_staleness=4, expected=1),
-        rounds=DeadlineQuorum(deadline_s=60.0, quorum=1),
-        clock=lambda: now[0],
-    )
+    gw = _progress_gateway(expected=1, clock=lambda: now[0])
     gw.bind()
     try:
         a, b = Peer(gw, "a"), Peer(gw, "b")
