@@ -46,9 +46,8 @@ class Weighting(Protocol):
         """What the contribution adds to the divisor of its layer's average."""
         ...
 
-    def min_divisor(self, active: int) -> int:
-        """The divisor of a layer's average is at least this (however few contributed), given
-        how many edges are contributing now (`cloud.delivery.ActiveFleet`)."""
+    def min_divisor(self) -> int:
+        """The divisor of a layer's average is at least this (however few contributed)."""
         ...
 
 
@@ -88,7 +87,7 @@ class SuccessWeighted:
     def share(self, count: int) -> int:
         return count
 
-    def min_divisor(self, active: int) -> int:
+    def min_divisor(self) -> int:
         return 1
 
 
@@ -131,8 +130,8 @@ class LocalProgress:
     def share(self, count: int) -> int:
         return 1
 
-    def min_divisor(self, active: int) -> int:
-        return max(self.expected, active)
+    def min_divisor(self) -> int:
+        return self.expected
 
 
 class Accumulator(Protocol):

@@ -52,7 +52,7 @@ from cloud.aggregation import (
     SuccessWeighted,
     Weighting,
 )
-from cloud.delivery import ActiveFleet, DeliveryPace
+from cloud.delivery import DeliveryPace
 from cloud.durability import GatewayCheckpoints
 from common.hooks import trainable_parameters
 from common.link import TokenBucket
@@ -395,7 +395,6 @@ class Gateway:
         self.acc = [self.aggregation.accumulator(p.numel()) for p in self.params]
         self._dense_bytes = {n: p.numel() * p.element_size() for n, p in named}
         self.delivery = DeliveryPace(sum(self._dense_bytes.values()))
-        self.fleet = ActiveFleet()
         self._rates: dict[str, _Rate] = {}
         self._refusals = _RefusalLog()
         self.version = version
@@ -668,7 +667,6 @@ class Gateway:
         self.routes.pop(oldest.route, None)
         self._rates.pop(oldest.client_id, None)
         self.delivery.forget(oldest.client_id)
-        self.fleet.forget(oldest.client_id)
         return True
 
     def _on_push(self, route: bytes, state: ClientState, msg: Push, now: float) -> None:
@@ -754,7 +752,6 @@ class Gateway:
             indices.append(i)
             count = max(count, layer.count)
         self.open.record(cid, indices, count, staleness, now, self.delivery.delivery_s(cid))
-        self.fleet.contributed(cid, now)
         epoch = self._epoch()
         state.record(msg.seq, "", msg.attempt, epoch)
         self._ack(route, msg.seq, True, None, "", attempt=msg.attempt, epoch=epoch)
@@ -825,7 +822,7 @@ class Gateway:
         now = self.clock() if now is None else now
         rnd = self.open
         averages: list[torch.Tensor | None] = []
-        divisor = self.weighting.min_divisor(self.fleet.count(now))
+        divisor = self.weighting.min_divisor()
         for name, acc in zip(self.names, self.acc):
             avg = acc.average(divisor)
             if avg is not None and not bool(torch.isfinite(avg).all()):

@@ -488,6 +488,8 @@ class EdgeSession:
             times.append(self._next_connect)
         if self._cap_ready_at > now:
             times.append(self._cap_ready_at)
+        if self._link_ready_at > now:  # something waits for the uplink's backlog to drain
+            times.append(self._link_ready_at)
         if self.download.active and self.loses_messages:
             times.append(now + self.resend_s)
         for u in self._flights.values():

@@ -20,7 +20,7 @@ from cloud.aggregation import (
     SuccessWeighted,
     staleness_weight,
 )
-from cloud.delivery import ACTIVE_MIN_S, ActiveFleet, DeliveryPace
+from cloud.delivery import DeliveryPace
 from cloud.gateway import Gateway, GatewayOptions
 from protocol import (
     Ack,
@@ -440,51 +440,6 @@ def test_local_progress_is_the_mean_of_the_edges_moves() -> None:
         LocalProgress(edge_lr=0.0, gateway_lr=0.5)
     with pytest.raises(ValueError, match="expected contributions"):
         LocalProgress(edge_lr=0.1, gateway_lr=0.5, expected=0)
-
-
-def test_with_quorum_1_each_contribution_counts_for_its_share_of_the_contributing_fleet() -> None:
-    now = [100.0]
-    gw = _progress_gateway(expected=1, clock=lambda: now[0])
-    gw.bind()
-    try:
-        a, b = Peer(gw, "a"), Peer(gw, "b")
-        a.hello(gw.manifest)
-        b.hello(gw.manifest)
-        s = {n: torch.randn_like(p) for n, p in zip(gw.names, gw.params)}
-
-        def moved_by(peer: Peer, seq: int, base: int) -> float:
-            w = [p.detach().clone() for p in gw.params]
-            assert peer.push(seq, s, count=3, base=base).accepted
-            gw.poll_once(0.0)  # quorum 1: the round closes on this contribution alone
-            # The share of the edge's own move (-0.1 x its sum) the global model made.
-            pairs = zip(gw.params, w, gw.names)
-            dot = sum(float(((w0 - p.detach()) * 0.1 * s[n]).sum()) for p, w0, n in pairs)
-            return dot / sum(float((0.1 * s[n]).pow(2).sum()) for n in gw.names)
-
-        assert moved_by(a, 1, 0) == pytest.approx(1.0)  # a alone contributes: its whole move
-        now[0] += 10.0
-        assert moved_by(b, 1, 1) == pytest.approx(0.5)  # a still counts: b's move is half the fleet's
-        now[0] += 10.0
-        assert moved_by(a, 2, 2) == pytest.approx(0.5)
-        now[0] += ACTIVE_MIN_S + 5.0  # b has been silent for longer than it counts
-        assert moved_by(a, 3, 3) == pytest.approx(1.0)
-    finally:
-        gw.close()
-
-
-def test_active_fleet_counts_an_edge_until_it_is_silent_for_three_of_its_gaps() -> None:
-    fleet = ActiveFleet()
-    assert fleet.count(0.0) == 0
-    fleet.contributed("slow", 0.0)
-    fleet.contributed("slow", 300.0)  # uploads every five minutes
-    fleet.contributed("fast", 300.0)
-    assert fleet.count(300.0 + ACTIVE_MIN_S) == 2
-    assert fleet.count(300.0 + ACTIVE_MIN_S + 1) == 1  # fast (one contribution): the minimum window
-    assert fleet.count(300.0 + 3 * 300.0) == 1  # slow still counts between its uploads
-    assert fleet.count(300.0 + 3 * 300.0 + 1) == 0
-    fleet.contributed("fast", 400.0)
-    fleet.forget("fast")
-    assert fleet.count(400.0) == 1
 
 
 def _gateway(**options: object) -> Gateway:
