@@ -241,14 +241,21 @@ class DemoConfig:
     drain_s: float = setting(30.0, "at the end, how long edges may take to deliver what they hold", min=0.0)
     momentum: float = setting(
         0.9,
-        "momentum of the gateway's SGD; the demo's edges take small local steps (edge_lr), and on "
-        "digits momentum makes up for it (`cloud serve` defaults to 0, which larger models need)",
+        "momentum of the gateway's SGD; the demo's edges take small local steps (edge_lr) and adopt "
+        "a model every few, so what they push is close to raw gradients (`cloud serve` defaults to 0)",
         min=0.0,
         max=0.999,
     )
     quorum: int = setting(2, "a round closes once this many edges contributed to every layer", min=1)
     round_deadline_s: float = setting(0.5, "or this long after its first contribution", min=0.01)
     max_staleness: int = setting(50, "contributions more versions behind than this are dropped", min=0)
+    staleness_exponent: float = setting(
+        0.0,
+        "scale a contribution by (1 + staleness)^-exponent; the demo's rounds close every half "
+        "second, so a few versions are a second or two (`cloud serve` defaults to 0.5)",
+        min=0.0,
+        max=4.0,
+    )
     seed: int = setting(0, "seed for the model, the data split and the link", min=0)
     insecure: bool = insecure_setting(
         "run the demo without CURVE (by default it makes keys in a temporary folder and enrols the edges)"

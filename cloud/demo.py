@@ -268,6 +268,7 @@ def run(
             round_deadline_s=config.round_deadline_s,
             quorum=min(config.quorum, config.edges),
             max_staleness=config.max_staleness,
+            staleness_exponent=config.staleness_exponent,
             weighting=config.weighting,
             edge_lr=config.edge_lr,
             momentum=config.momentum,
