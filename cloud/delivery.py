@@ -70,4 +70,3 @@ class DeliveryPace:
 
     def forget(self, client: str) -> None:
         self._edges.pop(client, None)
-
