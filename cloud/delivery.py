@@ -35,6 +35,7 @@ SPAN_S = 4.0  # a rate sample covers at least this long: bursts after a retransm
 @dataclass
 class _Edge:
     arrivals: deque[tuple[float, int]] = field(default_factory=deque)  # (when, bytes), the last spans
+    span_bytes: int = 0  # the sum of `arrivals`' bytes
     rate: RecentMax = field(default_factory=RecentMax)  # bytes/s
     wire_ratio: float = 1.0
 
@@ -55,13 +56,13 @@ class DeliveryPace:
             edge.wire_ratio = min(1.0, nbytes / dense_bytes)
         arrivals = edge.arrivals
         arrivals.append((now, nbytes))
+        edge.span_bytes += nbytes
         while len(arrivals) > 2 and now - arrivals[1][0] >= SPAN_S:
-            arrivals.popleft()  # keep the newest stretch that still spans SPAN_S
-        first = arrivals[0][0]
-        if now - first >= SPAN_S:
-            carried = sum(n for _, n in arrivals) - arrivals[0][1]  # what came after the first
-            if carried >= RATE_SAMPLE_MIN_BYTES:
-                edge.rate.add(carried / (now - first), now)
+            edge.span_bytes -= arrivals.popleft()[1]  # keep the newest stretch that still spans SPAN_S
+        first, first_bytes = arrivals[0]
+        carried = edge.span_bytes - first_bytes  # what came after the first
+        if now - first >= SPAN_S and carried >= RATE_SAMPLE_MIN_BYTES:
+            edge.rate.add(carried / (now - first), now)
 
     def delivery_s(self, client: str) -> float | None:
         """None until the edge's link was sampled (then a round waits only its configured deadline)."""

@@ -294,10 +294,15 @@ class RecentMax:
         self._samples: deque[tuple[float, float]] = deque()
 
     def add(self, value: float, now: float) -> None:
+        # A monotonic queue: a sample no larger than a newer one can never be the maximum again,
+        # so the front is the maximum and both calls cost O(1) amortised (the gateway samples
+        # every message of every edge on its receive loop).
+        while self._samples and self._samples[-1][1] <= value:
+            self._samples.pop()
         self._samples.append((now, value))
         while len(self._samples) > 1 and now - self._samples[0][0] > self.window_s:
             self._samples.popleft()
 
     @property
     def value(self) -> float | None:
-        return max(v for _, v in self._samples) if self._samples else None
+        return self._samples[0][1] if self._samples else None

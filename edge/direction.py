@@ -37,7 +37,7 @@ class Direction(Protocol):
 
 
 class RawGradient:
-    """Plain SGD without momentum or weight decay: the gradient is the direction."""
+    """What an edge that follows no optimizer pushes: the gradient itself (plain SGD's direction)."""
 
     def __call__(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         return grad

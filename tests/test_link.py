@@ -130,5 +130,11 @@ def test_recent_max_keeps_the_largest_recent_lower_bound_and_forgets_old_ones() 
     assert rates.value == 6.0
     rates.add(2.0, now=100.0)  # all older than the window: the newest stands
     assert rates.value == 2.0
+    rates.add(9.0, now=110.0)
+    rates.add(7.0, now=125.0)
+    rates.add(5.0, now=130.0)
+    assert rates.value == 9.0
+    rates.add(3.0, now=141.0)  # 9 aged out: the largest of what is left in the window, not the newest
+    assert rates.value == 7.0
     with pytest.raises(ValueError, match="window_s"):
         RecentMax(0.0)
