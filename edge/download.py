@@ -38,6 +38,7 @@ class DownloadStats:
     restarts: int = 0  # downloads started over because the gateway no longer served the version
     corrupt: int = 0  # finished blobs whose digest or values were wrong (started over)
     resumed: int = 0  # connections replaced while a download was part-way (kept what had arrived)
+    reasks: int = 0  # requests asked again on the same connection (a link that loses messages)
 
 
 class ModelDownload:
@@ -67,6 +68,10 @@ class ModelDownload:
     def outstanding_bytes(self) -> int:
         return sum(self._chunk_len(i) for i in self._asked)
 
+    def missing_bytes(self) -> int:
+        """Bytes not here yet: what is outstanding is a part of them."""
+        return sum(self._chunk_len(i) for i in range(self.chunks) if not self._have[i]) if self.active else 0
+
     def oldest_ask(self) -> float | None:
         return min(self._asked.values(), default=None)
 
@@ -94,6 +99,7 @@ class ModelDownload:
         for i, at in list(self._asked.items()):
             if now - at >= reask_after_s:
                 self._asked[i] = now
+                self.stats.reasks += 1
                 out.append(self._request(i))
         outstanding = self.outstanding_bytes()
         i = self._next

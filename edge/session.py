@@ -1117,10 +1117,21 @@ class EdgeSession:
         ahead_s = min(8.0, self.uplink.expected_s(uplink_full)) if self.uplink.measured else 0.0
         budget = int(self.downlink.budget(self.download.chunk_bytes) * 2 * (1.0 + ahead_s))
         # Over TCP a request is answered unless the connection goes (then all are asked anew); a
-        # link that loses messages on a live connection needs a timer: twice what the window needs.
+        # link that loses messages on a live connection needs a timer: twice what a request can
+        # wait for, which is the uplink's backlog ahead of it, then at most what is outstanding
+        # (a part of what is missing) ahead of its answer.  Not the window: a whole model is
+        # often far smaller (a 105 KB model waited 8 s to be asked again after a loss).
         reask = math.inf
         if self.loses_messages:
-            reask = max(self.resend_s, 2 * self.downlink.expected_s(budget))
+            queued = min(budget, self.download.missing_bytes())
+            waits = self.uplink.expected_s(self._uplink_backlog(now)) if self.uplink.measured else 0.0
+            reask = max(self.resend_s, 2 * (waits + self.downlink.expected_s(queued)))
+            if not self.downlink.measured:
+                # The guess (1 Mbit/s) may be far too slow for this link (a 105 KB model: asked
+                # again every 1.7 s at 30% loss).  Until a chunk has measured it, one chunk is a
+                # probe, asked again on the push timer, doubling each time up to the guess's.
+                budget = self.download.chunk_bytes
+                reask = min(reask, self.resend_s * 2.0 ** min(self.download.stats.reasks, 20))
         for version, offset, length in self.download.requests(budget, now, reask):
             self._send(encode(ModelFetch(version=version, offset=offset, length=length)), now)
 
