@@ -113,6 +113,20 @@ class ModelUpdate(Protocol):
         """`averages[i]` for layer i of the manifest (None: nobody sent it), of `layer_steps[i]` steps."""
 
 
+def edge_push(optimizer: torch.optim.Optimizer | None) -> str:
+    """What edges that follow their optimizer should push to a gateway stepping with `optimizer`.
+
+    Momentum is applied once.  A gateway whose step is plain SGD without momentum takes the
+    mean of the edges' moves (FedAvg): edges push their optimizer's step, momentum included
+    ("step", edge/direction.py).  One with momentum or another optimizer (or a cloud trainer's,
+    hybrid) supplies its own: edges push raw gradients ("gradient"), or momentum counts twice
+    (measured on the digits fleet: 10% accuracy instead of 96%).
+    """
+    if type(optimizer) is torch.optim.SGD and not any(g["momentum"] for g in optimizer.param_groups):
+        return "step"
+    return "gradient"
+
+
 class OptimizerStep:
     """Standalone: the gateway's own optimizer steps its model with the averages as gradients."""
 
@@ -388,6 +402,7 @@ class Gateway:
                 "policy that owns the model, checkpoint where the model lives"
             )
         self.update = update
+        self.edge_push = edge_push(optimizer if isinstance(update, OptimizerStep) else None)
         self.layer_index = {n: i for i, n in enumerate(self.names)}
         self.limits = self.options.limits or dataclasses.replace(
             limits_for(self.manifest, DEFAULT_LIMITS), encodings=self.options.encodings
@@ -653,6 +668,7 @@ class Gateway:
                     "credit": self.options.credit,
                     "window": self.options.window,
                     "commits": self.checkpoints is not None,
+                    "push": self.edge_push,
                 },
             ),
         )

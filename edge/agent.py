@@ -36,6 +36,8 @@ from edge.direction import Direction, RawGradient, SgdDirection
 from edge.session import EdgeSession, SessionOptions
 from protocol import Manifest
 
+_RAW = RawGradient()
+
 log = logging.getLogger("elasticfed.edge")
 
 
@@ -73,7 +75,7 @@ class ElasticEdge(nn.Module):
         # are neither produced nor sent, and the edge fetches the global model again.
         self.nonfinite_steps = 0
         self._diverged = False
-        self.direction: Direction = RawGradient()
+        self._follower: Direction | None = None  # the optimizer's step, when the gateway wants it
         self.session = EdgeSession(options, self.manifest, self.cache, model_version)
         self.hooks = GradientHooks(named, self, plan)
         if start:
@@ -81,8 +83,16 @@ class ElasticEdge(nn.Module):
 
     def follow(self, optimizer: torch.optim.Optimizer) -> None:
         """Push what `optimizer.step()` moves each parameter by (over its learning rate) instead of
-        the raw gradient: with momentum the two differ tenfold (edge/direction.py)."""
-        self.direction = SgdDirection(optimizer)
+        the raw gradient, where the gateway applies no momentum of its own (it says which in its
+        welcome): with momentum the two differ tenfold (edge/direction.py)."""
+        self._follower = SgdDirection(optimizer)
+
+    @property
+    def direction(self) -> Direction:
+        """What a step pushes: momentum is applied once, here or at the gateway (its welcome says)."""
+        if self._follower is not None and self.session.push == "step":
+            return self._follower
+        return _RAW
 
     # -------------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -101,7 +111,8 @@ class ElasticEdge(nn.Module):
                 param.copy_(layer.payload.tensor, non_blocking=True)
         self.version = model.version
         self.models_adopted += 1
-        self.direction.restart()
+        if self._follower is not None:
+            self._follower.restart()
         return True
 
     def wait_ready(self, timeout_s: float, stop: threading.Event | None = None) -> bool:
@@ -130,7 +141,8 @@ class ElasticEdge(nn.Module):
     # ------------------------------------------------------------ GradientSink
     def unit_ready(self, unit: int) -> None:
         params = [self.hooks.params[i] for i in self.hooks.plan[unit]]
-        grads = [None if p.grad is None else self.direction(p, p.grad) for p in params]
+        direction = self.direction
+        grads = [None if p.grad is None else direction(p, p.grad) for p in params]
         if not _finite(grads):
             # One NaN would poison every later step summed with it, and the gateway refuses it.
             self._diverged = True

@@ -234,6 +234,7 @@ def _train(
         metrics_url=metrics.url if metrics is not None else None,
     )
     optimizer = torch.optim.SGD(agent.parameters(), lr=config.train.lr or task.lr, momentum=task.momentum)
+    agent.follow(optimizer)  # its steps where the gateway adds no momentum, else raw gradients
     # Start from the gateway's model when it answers soon; train from our own seed otherwise.
     ready = agent.wait_ready(timeout_s=max(2.0, 4 * config.timeout_ms / 1000.0), stop=stop)
     if not ready and not stop.is_set():

@@ -284,6 +284,9 @@ class EdgeSession:
         self._largest_unit = max((u.numel * u.dtype.itemsize for u in cache.units), default=0)
         self._cap_ready_at = 0.0  # the upload cap holds back the next push until then
         self._link_ready_at = 0.0  # the uplink's backlog holds back the next push until then
+        # What an agent that follows its optimizer pushes (the gateway says, cloud.gateway.edge_push):
+        # "step" until told, as `cloud serve`'s default gateway (no momentum) wants.
+        self.push = "step"
         self._refetching = False  # downloading the newest model again, whatever its version
         self._flights: dict[int, int] = {}  # seq -> unit
         self._outstanding_n = 0  # flights sent whose deadline has not passed
@@ -900,6 +903,11 @@ class EdgeSession:
         self.credit = _int_setting(msg.settings, "credit", 8)
         self.window = _int_setting(msg.settings, "window", 1024)
         self.commits = msg.settings.get("commits") is True
+        push = msg.settings.get("push", "gradient")  # a gateway that does not say: raw gradients
+        if push not in ("step", "gradient"):
+            log.warning("ignored push=%r from the gateway (not 'step' or 'gradient'): gradients it is", push)
+            push = "gradient"
+        self.push = push
         # Above everything the gateway judged from this client id: after a restart that lost
         # this edge's newest state, a reused seq would be taken for a duplicate.
         if msg.next_seq > UINT_MAX // 2:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fleet import gateway_thread
 from torch import nn
 
+from cloud.gateway import edge_push
+from common.task import load_task
 from edge.agent import ElasticEdge
-from edge.direction import SgdDirection
+from edge.direction import RawGradient, SgdDirection
 from edge.session import SessionOptions
 
 SETTINGS = [
@@ -93,3 +96,30 @@ def test_a_restart_forgets_the_momentum_built_on_the_replaced_model() -> None:
     opt.step()
     for p, b, d in zip(model.parameters(), before, ahead):
         torch.testing.assert_close(b - p.detach(), 0.3 * d)  # and the optimizer agrees
+
+
+def test_momentum_is_applied_once_the_gateway_says_where() -> None:
+    model = _model()
+    assert edge_push(torch.optim.SGD(model.parameters(), lr=0.1)) == "step"
+    assert edge_push(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)) == "gradient"
+    assert edge_push(torch.optim.Adam(model.parameters())) == "gradient"
+    assert edge_push(None) == "gradient"  # a cloud trainer's optimizer steps the model (hybrid)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_an_edge_pushes_what_its_gateway_asks_for(momentum: float) -> None:
+    with gateway_thread(momentum=momentum) as gateway:
+        torch.manual_seed(0)
+        agent = ElasticEdge(
+            load_task("common.tasks.digits:task").build_model(),
+            SessionOptions(gateway=gateway.bound_endpoint, client_id="e", timeout_s=0.5),
+        )
+        try:
+            opt = torch.optim.SGD(agent.parameters(), lr=0.05, momentum=0.9)
+            agent.follow(opt)
+            assert agent.wait_ready(30.0)
+            expected = "gradient" if momentum else "step"
+            assert agent.session.push == expected
+            assert isinstance(agent.direction, RawGradient if momentum else SgdDirection)
+        finally:
+            agent.close()

@@ -96,11 +96,13 @@ def test_bursty_loss_every_step_gradient_is_applied_exactly_once_or_reported_sta
 
 
 def test_duplicated_and_reordered_messages_count_once() -> None:
+    # Steps enough for 27-69 messages each (measured): 300 took a second, in which an edge that
+    # re-sends a weak push only on an answer (over TCP) sent 9, none duplicated in 1 run of 2.
     with gateway_thread(quorum=1, round_deadline_s=0.2, max_staleness=1000) as gateway:
         faults = "duplicate=0.3,reorder=0.3,delay_ms=2,jitter_ms=2,seed={}"
         edges = [
-            edge(gateway.bound_endpoint, f"dup-{i}", "--faults", faults.format(i), "--train-max-steps", "300",
-                 "--timeout-ms", "200", "--train-shard", f"{i}/2")
+            edge(gateway.bound_endpoint, f"dup-{i}", "--faults", faults.format(i),
+                 "--train-max-steps", "3000", "--timeout-ms", "200", "--train-shard", f"{i}/2")
             for i in range(2)
         ]  # fmt: skip
         summaries = [e.summary(timeout=120) for e in edges]
@@ -108,7 +110,7 @@ def test_duplicated_and_reordered_messages_count_once() -> None:
     for s in summaries:
         audit(status, s)
         assert sum(s["dropped_stale_steps"].values()) == 0
-        assert s["link_up"]["duplicated"] > 0 and s["link_up"]["reordered"] > 0
+        assert s["link_up"]["duplicated"] > 0 and s["link_up"]["reordered"] > 0, s["link_up"]
     assert sum(status["metrics"]["gateway_duplicates_total"].values()) > 0  # duplicates did arrive
 
 
