@@ -17,6 +17,8 @@ model swung between 6 and 17 bits per byte).
 
 Only `torch.optim.SGD` is computable ahead of its step; another optimizer is
 refused by `SgdDirection` (and the agent pushes raw gradients without one).
+Momentum must be applied once: a gateway with momentum of its own asks for raw
+gradients in its welcome, and the agent pushes those (`cloud.gateway.edge_push`).
 """
 
 from __future__ import annotations
