@@ -111,7 +111,9 @@ class ElasticEdge(nn.Module):
                 param.copy_(layer.payload.tensor, non_blocking=True)
         self.version = model.version
         self.models_adopted += 1
-        if self._follower is not None:
+        if self._follower is not None and self.session.push == "step":
+            # Its momentum is in what this edge pushes: it restarts with each global model.  Where
+            # the gateway keeps the momentum, the local optimizer is left as the user runs it.
             self._follower.restart()
         return True
 

@@ -285,8 +285,9 @@ class EdgeSession:
         self._cap_ready_at = 0.0  # the upload cap holds back the next push until then
         self._link_ready_at = 0.0  # the uplink's backlog holds back the next push until then
         # What an agent that follows its optimizer pushes (the gateway says, cloud.gateway.edge_push):
-        # "step" until told, as `cloud serve`'s default gateway (no momentum) wants.
-        self.push = "step"
+        # raw gradients until told, never momentum twice (steps cached before a late welcome into
+        # a gateway with momentum 0.9 took the lossless digits demo to 32%).
+        self.push = "gradient"
         self._refetching = False  # downloading the newest model again, whatever its version
         self._flights: dict[int, int] = {}  # seq -> unit
         self._outstanding_n = 0  # flights sent whose deadline has not passed
