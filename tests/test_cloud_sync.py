@@ -3,7 +3,7 @@
 Bit-exactness: with 2 ranks an all-reduce is one addition, a + b == b + a, so
 every `none` result is bit-identical to DDP.  With 3 ranks gloo's ring sums
 chunks in an order that depends on how the buffer is cut, and DDP's buckets
-are cut differently from our units, so results agree to rounding (<= 1e-6).
+are cut differently from our units, so results agree to rounding (<= 1e-6, or 8 ulps of the largest gradient).
 """
 
 from __future__ import annotations
@@ -74,7 +74,9 @@ def test_same_result_as_ddp(ddp_results: tuple[int, dict], case: str) -> None:
         assert "error" not in res, f"rank {rank}: {res.get('error')}"
         assert res["none_mismatch"] == [], f"rank {rank}: None/non-None gradient differs from DDP"
         if res["eps"] < 1e-6:
-            tol = TOL
+            # Rounding scales with the values: a sum over 3 ranks taken in another order differed
+            # by 1.18e-6 (5 ulps) on gradients of magnitude 2.09 in one run of many.
+            tol = max(TOL, 8 * res["eps"] * res["grad_scale"])
         else:  # fp16/bf16 with 3 ranks: the sums are rounded to half precision in another order
             tol = 2 * res["eps"] * max(res["grad_scale"], 1.0)
         assert res["max_grad_diff"] <= tol, res
