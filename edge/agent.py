@@ -111,10 +111,9 @@ class ElasticEdge(nn.Module):
                 param.copy_(layer.payload.tensor, non_blocking=True)
         self.version = model.version
         self.models_adopted += 1
-        if self._follower is not None and self.session.push == "step":
-            # Its momentum is in what this edge pushes: it restarts with each global model.  Where
-            # the gateway keeps the momentum, the local optimizer is left as the user runs it.
-            self._follower.restart()
+        # Pushing its steps, the edge restarts their momentum with each global model; pushing raw
+        # gradients (a no-op restart) it leaves the local optimizer as the user runs it.
+        self.direction.restart()
         return True
 
     def wait_ready(self, timeout_s: float, stop: threading.Event | None = None) -> bool:

@@ -69,8 +69,8 @@ class ModelDownload:
         return sum(self._chunk_len(i) for i in self._asked)
 
     def missing_bytes(self) -> int:
-        """Bytes not here yet: what is outstanding is a part of them."""
-        return sum(self._chunk_len(i) for i in range(self.chunks) if not self._have[i]) if self.active else 0
+        """At most this many bytes are not here yet (what is outstanding is a part of them)."""
+        return min(self.size, self._missing * self.chunk_bytes) if self.active else 0
 
     def oldest_ask(self) -> float | None:
         return min(self._asked.values(), default=None)

@@ -308,3 +308,17 @@ def test_pushes_of_an_edge_still_downloading_are_not_dropped_for_versions_it_cou
     assert gateway.served_version >= 8
     far = slow.push(2, grads_for(gateway, 0.1), base=0)
     assert not far.accepted and far.code == Reason.STALE.value
+
+
+def test_what_is_missing_bounds_the_wait_and_shrinks_as_chunks_come() -> None:
+    # The re-ask timer waits for at most what is missing: a small model is asked again soon.
+    manifest, data, digest = served(make_model(), 1)
+    download = ModelDownload(manifest, CHUNK)
+    assert download.missing_bytes() == 0  # nothing being downloaded
+    download.start(1)
+    assert download.missing_bytes() == manifest.blob_bytes
+    (version, offset, length), *_ = download.requests(CHUNK, now=0.0, reask_after_s=1.0)
+    download.on_chunk(answer(data, digest, version, offset, length), now=0.1)
+    left = manifest.blob_bytes - length
+    # An upper bound, by whole chunks: never below what is missing, at most one chunk above.
+    assert left <= download.missing_bytes() < min(manifest.blob_bytes, left + CHUNK)
