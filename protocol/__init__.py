@@ -26,7 +26,7 @@ from protocol.messages import (
     Reject,
     Welcome,
 )
-from protocol.payload import FLOAT_DTYPES, Dense, LowRank, Payload, TopK
+from protocol.payload import FLOAT_DTYPES, Dense, LowRank, Payload, Quantized, Sparse, TopK
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -53,8 +53,10 @@ __all__ = [
     "Payload",
     "ProtocolError",
     "Push",
+    "Quantized",
     "Reason",
     "Reject",
+    "Sparse",
     "TopK",
     "Welcome",
     "apply_limits",

@@ -34,10 +34,14 @@ from protocol.messages import (
 from protocol.payload import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    INT8_MAX,
     MAX_DIMS,
+    SPARSE_BLOCK,
     Dense,
     LowRank,
     Payload,
+    Quantized,
+    Sparse,
     TopK,
     checksum,
     dtype_name,
@@ -62,7 +66,7 @@ class Limits:
     max_layer_elements: int = 2**31 - 1
     allow_nonfinite: bool = False
     verify_checksums: bool = True
-    encodings: tuple[str, ...] = ("dense", "topk", "lowrank")  # payload encodings accepted
+    encodings: tuple[str, ...] = ("dense", "topk", "lowrank", "int8", "sparse")  # payload encodings accepted
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -79,7 +83,8 @@ def limits_for(manifest: Manifest, base: Limits = DEFAULT_LIMITS) -> Limits:
 
     The largest frame is a layer in float64 (or a top-k index frame of int64);
     a message holds at most every layer twice (low-rank and top-k send two
-    frames each); the header holds at most a manifest (a hello).  A hostile
+    frames each, a sparse int8 layer four frames of 7 bytes an element at most);
+    the header holds at most a manifest (a hello).  A hostile
     peer can then make the gateway allocate no more than such messages, and only
     as many per connection as the socket's receive high-water mark lets queue,
     instead of `base`'s generic 256 MiB each.
@@ -92,7 +97,7 @@ def limits_for(manifest: Manifest, base: Limits = DEFAULT_LIMITS) -> Limits:
         base,
         max_message_bytes=min(base.max_message_bytes, header + 2 * 8 * total),
         max_header_bytes=min(base.max_header_bytes, header),
-        max_frames=min(base.max_frames, 1 + 2 * len(layers)),
+        max_frames=min(base.max_frames, 1 + 4 * len(layers)),
         max_layer_elements=min(base.max_layer_elements, max(largest, 1)),
     )
 
@@ -146,6 +151,20 @@ def _describe(layer: LayerGradient | LayerTensor, kind: Layers, frames: list[Any
             rank=payload.rank,
         )
         parts = [payload.p, payload.q]
+    elif isinstance(payload, Quantized):
+        desc.update(
+            enc="int8", dtype=dtype_name(payload.dtype), shape=list(payload.shape), chunk=payload.chunk
+        )
+        parts = [payload.codes, payload.scales]
+    elif isinstance(payload, Sparse):
+        desc.update(enc="sparse", dtype=dtype_name(payload.dtype), shape=list(payload.shape))
+        parts = [payload.counts, payload.offsets]
+        if isinstance(payload.values, Quantized):
+            desc.update(values="int8", chunk=payload.values.chunk)
+            parts += [payload.values.codes, payload.values.scales]
+        else:
+            desc.update(values="float")
+            parts.append(payload.values.tensor)
     else:
         raise TypeError(f"layer {layer.name}: unknown payload type {type(payload).__name__}")
     sums = []
@@ -263,7 +282,13 @@ def _unpack_header(raw: memoryview) -> dict:
 
 
 _COMMON_KEYS = frozenset({"name", "enc", "dtype", "shape", "xxh"})
-_ENC_KEYS = {"dense": frozenset(), "topk": frozenset({"index_dtype"}), "lowrank": frozenset({"rank"})}
+_ENC_KEYS = {
+    "dense": frozenset(),
+    "topk": frozenset({"index_dtype"}),
+    "lowrank": frozenset({"rank"}),
+    "int8": frozenset({"chunk"}),
+    "sparse": frozenset({"values"}),  # and "chunk" when the values are int8
+}
 
 
 class _LayerReader:
@@ -326,7 +351,7 @@ class _LayerReader:
         self._check_manifest(name, shape, desc["dtype"], kind, where)
 
         tensors = self._read(self._layout(desc, enc, dtype, shape, where), desc["xxh"], where)
-        payload = _payload(enc, tensors, shape, where)
+        payload = _payload(enc, desc, tensors, shape, where)
         if not kind.with_count:
             return LayerTensor(name, payload)  # type: ignore[arg-type]  # dense, checked above
         count = _UINT.check(desc["count"], f"{where}.count")
@@ -343,6 +368,8 @@ class _LayerReader:
         if not kind.with_count and enc != "dense":
             raise ProtocolError(Reason.ENCODING, f"{where}: parameters must be dense, not {enc}")
         allowed = _COMMON_KEYS | _ENC_KEYS[enc] | ({"count"} if kind.with_count else frozenset())
+        if enc == "sparse" and desc.get("values") == "int8":
+            allowed |= {"chunk"}
         for key in desc:
             if key not in allowed:
                 raise ProtocolError(Reason.UNKNOWN_FIELD, f"{where}: unknown key {key!r}")
@@ -391,6 +418,26 @@ class _LayerReader:
             if k > numel:
                 raise ProtocolError(Reason.ENCODING, f"{where}: top-k sends {k} values for {numel} elements")
             return [(dtype, (k,)), (idx, (k,))]
+        if enc == "int8":
+            chunk = _chunk(desc, numel, where)
+            return [(torch.int8, (numel,)), (dtype, (-(-numel // chunk),))]
+        if enc == "sparse":
+            if desc["values"] not in ("float", "int8"):
+                raise ProtocolError(
+                    Reason.ENCODING, f"{where}: sparse values {desc['values']!r} are not float or int8"
+                )
+            if self.used + 1 >= len(self.frames):
+                raise ProtocolError(Reason.FRAME_COUNT, f"{where}: message ends before this layer's frames")
+            k = len(self.frames[self.used + 1]) // 2  # k is implied by the offsets frame
+            if k > numel:
+                raise ProtocolError(
+                    Reason.ENCODING, f"{where}: sparse sends {k} entries for {numel} elements"
+                )
+            layout = [(torch.int32, (-(-numel // SPARSE_BLOCK),)), (torch.int16, (k,))]
+            if desc["values"] == "float":
+                return [*layout, (dtype, (k,))]
+            chunk = _chunk(desc, k, where)
+            return [*layout, (torch.int8, (k,)), (dtype, (-(-k // chunk),))]
         rank = _UINT.check(desc["rank"], f"{where}.rank")
         if len(shape) < 2 or rank < 1 or rank > min(shape[0], numel // max(shape[0], 1)):
             raise ProtocolError(
@@ -427,16 +474,61 @@ class _LayerReader:
         return tensors
 
 
-def _payload(enc: str, tensors: list[torch.Tensor], shape: tuple[int, ...], where: str) -> Payload:
+def _payload(
+    enc: str, desc: dict, tensors: list[torch.Tensor], shape: tuple[int, ...], where: str
+) -> Payload:
     if enc == "dense":
         return Dense(tensors[0])
+    numel = math.prod(shape)
     if enc == "topk":
         values, indices = tensors
-        numel = math.prod(shape)
         if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= numel):
             raise ProtocolError(Reason.ENCODING, f"{where}: top-k index outside [0, {numel})")
         return TopK(values, indices, shape)
+    if enc == "int8":
+        return _quantized(tensors[0], tensors[1], desc["chunk"], shape, where)
+    if enc == "sparse":
+        counts, offsets = tensors[0], tensors[1]
+        k = offsets.numel()
+        if numel:
+            last = numel - (counts.numel() - 1) * SPARSE_BLOCK  # the last block may be short
+            room = torch.full_like(counts, SPARSE_BLOCK)
+            room[-1] = last
+            if int(counts.min()) < 0 or bool((counts > room).any()) or int(counts.sum()) != k:
+                raise ProtocolError(
+                    Reason.ENCODING,
+                    f"{where}: sparse block counts are negative, exceed their block or do not add up to {k}",
+                )
+        if k:
+            blocks = torch.repeat_interleave(torch.arange(counts.numel()) * SPARSE_BLOCK, counts.long())
+            flat = blocks + (offsets.long() & 0xFFFF)
+            if k > 1 and not bool((flat[1:] > flat[:-1]).all()):
+                raise ProtocolError(Reason.ENCODING, f"{where}: sparse indices are not sorted and unique")
+            if int(flat[-1]) >= numel:
+                raise ProtocolError(Reason.ENCODING, f"{where}: sparse index outside [0, {numel})")
+        if desc["values"] == "float":
+            values: Dense | Quantized = Dense(tensors[2])
+        else:
+            values = _quantized(tensors[2], tensors[3], desc["chunk"], (k,), where)
+        return Sparse(counts, offsets, values, shape)
     return LowRank(tensors[0], tensors[1], shape)
+
+
+def _chunk(desc: dict, numel: int, where: str) -> int:
+    chunk = _UINT.check(desc["chunk"], f"{where}.chunk")
+    if chunk < 1:
+        raise ProtocolError(Reason.ENCODING, f"{where}: int8 chunk must be at least 1, got {chunk}")
+    return chunk
+
+
+def _quantized(
+    codes: torch.Tensor, scales: torch.Tensor, chunk: int, shape: tuple[int, ...], where: str
+) -> Quantized:
+    if codes.numel() and int(codes.min()) < -INT8_MAX:
+        raise ProtocolError(Reason.ENCODING, f"{where}: int8 code -128 (codes are -127..127)")
+    if scales.numel() and float(scales.min()) < 0:
+        raise ProtocolError(Reason.ENCODING, f"{where}: negative int8 scale")
+    return Quantized(codes, scales, chunk, shape)
 
 
 def _check_shape(shape: object, where: str, limits: Limits) -> tuple[int, ...]:

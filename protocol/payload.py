@@ -1,4 +1,8 @@
-"""Tensor payloads on the wire: dense, top-k and low-rank, each as raw frames.
+"""Tensor payloads on the wire: dense, top-k, low-rank, int8 and sparse, each as raw frames.
+
+`Quantized` (int8 codes, one scale per chunk) and `Sparse` (the largest entries,
+their indices coded in 16 bits) are what edges push under uplink compression;
+`TopK` and `LowRank` are the general forms.
 
 Encoding never copies a contiguous CPU tensor: the frame handed to ZeroMQ is a
 memoryview over the tensor's own storage.  Decoding builds tensors over the
@@ -25,6 +29,10 @@ INDEX_DTYPES: dict[str, torch.dtype] = {"int32": torch.int32, "int64": torch.int
 _DTYPE_NAMES: dict[torch.dtype, str] = {dt: name for name, dt in (FLOAT_DTYPES | INDEX_DTYPES).items()}
 
 MAX_DIMS = 8
+# A sparse payload's indices are offsets within blocks of this many elements: 16 bits an index,
+# plus a count per block (4 bytes per 65,536 elements of the layer).
+SPARSE_BLOCK = 2**16
+INT8_MAX = 127  # codes are symmetric: -128 is refused, so a code and its negation both exist
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -144,4 +152,102 @@ class LowRank:
         return (self.p @ self.q.T).view(self.shape)
 
 
-Payload = Dense | TopK | LowRank
+@dataclass(frozen=True)
+class Quantized:
+    """int8 codes with one scale per `chunk` consecutive elements: element i is codes[i] * scales[i // chunk].
+
+    The decoded dtype is the scales' dtype.  Per-chunk scales keep one large entry
+    from flattening a whole layer's resolution.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    chunk: int
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.codes.dtype != torch.int8 or self.codes.dim() != 1:
+            raise ValueError("int8 codes must be a 1-D int8 tensor")
+        if self.codes.numel() != math.prod(self.shape):
+            raise ValueError(f"{self.codes.numel()} codes for shape {self.shape}")
+        if type(self.chunk) is not int or self.chunk < 1:
+            raise ValueError(f"chunk must be a positive integer, got {self.chunk!r}")
+        if self.scales.dim() != 1 or self.scales.numel() != -(-self.codes.numel() // self.chunk):
+            raise ValueError(
+                f"{self.codes.numel()} codes in chunks of {self.chunk} need "
+                f"{-(-self.codes.numel() // self.chunk)} scales, got {self.scales.numel()}"
+            )
+        if not self.scales.is_floating_point():
+            raise ValueError("scales must be a float tensor")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scales.dtype
+
+    def to_dense(self) -> torch.Tensor:
+        n = self.codes.numel()
+        if n == 0:
+            return torch.zeros(self.shape, dtype=self.dtype)
+        full = n - n % self.chunk
+        out = torch.empty(n, dtype=self.dtype)
+        if full:
+            out[:full].view(-1, self.chunk).copy_(self.codes[:full].view(-1, self.chunk))
+            out[:full].view(-1, self.chunk).mul_(self.scales[: full // self.chunk, None])
+        if full < n:
+            out[full:].copy_(self.codes[full:]).mul_(self.scales[-1])
+        return out.view(self.shape)
+
+
+@dataclass(frozen=True)
+class Sparse:
+    """Some entries of a layer at sorted, unique flat indices, the rest zero.
+
+    The indices travel as a count per block of `SPARSE_BLOCK` elements and a
+    16-bit offset within its block per entry (the int16 tensor is read as
+    unsigned): 2 bytes an index instead of 4 or 8.  `values` is dense (float) or
+    int8-quantized, one entry per index.
+    """
+
+    counts: torch.Tensor
+    offsets: torch.Tensor
+    values: Dense | Quantized
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        blocks = -(-math.prod(self.shape) // SPARSE_BLOCK)
+        if self.counts.dtype != torch.int32 or self.counts.shape != (blocks,):
+            raise ValueError(f"sparse counts must be int32 with one entry per block ({blocks})")
+        if self.offsets.dtype != torch.int16 or self.offsets.dim() != 1:
+            raise ValueError("sparse offsets must be a 1-D int16 tensor")
+        if self.values.shape != (self.offsets.numel(),):
+            raise ValueError(f"{self.offsets.numel()} offsets but values of shape {self.values.shape}")
+        if blocks and (int(self.counts.min()) < 0 or int(self.counts.sum()) != self.offsets.numel()):
+            raise ValueError(f"sparse block counts do not add up to the {self.offsets.numel()} offsets")
+
+    @classmethod
+    def from_indices(cls, indices: torch.Tensor, values: Dense | Quantized, shape: tuple[int, ...]) -> Sparse:
+        """From sorted, unique flat indices (the caller's promise; the decoder checks a peer's)."""
+        blocks = -(-math.prod(shape) // SPARSE_BLOCK)
+        indices = indices.long()
+        counts = torch.bincount(indices >> 16, minlength=blocks).to(torch.int32)
+        offsets = (indices & 0xFFFF).to(torch.int32)
+        offsets = torch.where(offsets >= 2**15, offsets - 2**16, offsets).to(torch.int16)
+        return cls(counts, offsets, values, shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.values.dtype if isinstance(self.values, Quantized) else self.values.tensor.dtype
+
+    def indices(self) -> torch.Tensor:
+        """Flat int64 indices, from the counts and offsets."""
+        blocks = torch.arange(self.counts.numel(), dtype=torch.int64)
+        base = torch.repeat_interleave(blocks * SPARSE_BLOCK, self.counts.long())
+        return base + (self.offsets.long() & 0xFFFF)
+
+    def to_dense(self) -> torch.Tensor:
+        out = torch.zeros(math.prod(self.shape), dtype=self.dtype)
+        out[self.indices()] = self.values.to_dense()
+        return out.view(self.shape)
+
+
+Payload = Dense | TopK | LowRank | Quantized | Sparse

@@ -11,7 +11,7 @@ from fleet import Proc
 from netns import netns_lab, netns_swept  # noqa: F401  (fixtures for tests/test_real_loss.py)
 
 from protocol import Manifest, Message
-from protocol.payload import Dense, LowRank, TopK
+from protocol.payload import Dense, LowRank, Quantized, Sparse, TopK
 
 
 @pytest.fixture
@@ -41,6 +41,20 @@ def same_payload(a: object, b: object) -> bool:
         return a.shape == b.shape and same_tensor(a.values, b.values) and same_tensor(a.indices, b.indices)
     if isinstance(a, LowRank):
         return a.shape == b.shape and same_tensor(a.p, b.p) and same_tensor(a.q, b.q)
+    if isinstance(a, Quantized):
+        return (
+            a.shape == b.shape
+            and a.chunk == b.chunk
+            and same_tensor(a.codes, b.codes)
+            and same_tensor(a.scales, b.scales)
+        )
+    if isinstance(a, Sparse):
+        return (
+            a.shape == b.shape
+            and same_tensor(a.counts, b.counts)
+            and same_tensor(a.offsets, b.offsets)
+            and same_payload(a.values, b.values)
+        )
     raise TypeError(type(a))
 
 

@@ -199,6 +199,12 @@ def compare_with_ddp(
     buffer_diff = max(
         [(a.double() - b.double()).abs().max().item() for a, b in zip(ref.buffers(), ours.buffers())] or [0.0]
     )
+    # Rounding differences in the values scale with the values themselves (BatchNorm's running
+    # variance is several times larger than any gradient).
+    param_scale = max(p.detach().abs().max().item() for p in ref.parameters())
+    buffer_scale = max(
+        [b.double().abs().max().item() for b in ref.buffers() if b.is_floating_point()] or [0.0]
+    )
     params_equal_across_ranks = _same_on_all_ranks(list(ours.parameters()))
     return {
         "max_grad_diff": rec.grad,
@@ -206,6 +212,8 @@ def compare_with_ddp(
         "eps": torch.finfo(torch_dtype).eps,
         "max_param_diff": param_diff,
         "max_buffer_diff": buffer_diff,
+        "param_scale": param_scale,
+        "buffer_scale": buffer_scale,
         "grads_bit_exact": rec.bit_exact,
         "params_bit_exact": all(torch.equal(a, b) for a, b in zip(ref.parameters(), ours.parameters())),
         "none_mismatch": rec.none_mismatch,

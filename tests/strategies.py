@@ -23,7 +23,9 @@ from protocol import (
     ModelFetch,
     ModelRequest,
     Push,
+    Quantized,
     Reject,
+    Sparse,
     TopK,
     Welcome,
 )
@@ -54,9 +56,22 @@ def payloads(draw: st.DrawFn, shape: tuple[int, ...] | None = None):
         kinds.append("topk")
     if len(shape) >= 2 and numel > 0:
         kinds.append("lowrank")
+    kinds.append("int8")
+    if numel > 0:
+        kinds.append("sparse")
     kind = draw(st.sampled_from(kinds))
     if kind == "dense":
         return Dense(draw(tensors(shape, dtype)))
+    if kind == "int8":
+        return draw(quantized(shape, dtype))
+    if kind == "sparse":
+        # Indices may straddle the 65,536-element blocks of the index coding.
+        k = draw(st.integers(0, numel))
+        indices = torch.tensor(sorted(draw(st.sets(st.integers(0, numel - 1), min_size=k, max_size=k))))
+        values = draw(st.one_of(st.just(None), quantized((k,), dtype)))
+        if values is None:
+            values = Dense(draw(tensors((k,), dtype)))
+        return Sparse.from_indices(indices, values, shape)
     if kind == "topk":
         k = draw(st.integers(1, numel))
         index_dtype = draw(st.sampled_from([torch.int32, torch.int64]))
@@ -67,6 +82,16 @@ def payloads(draw: st.DrawFn, shape: tuple[int, ...] | None = None):
     rows, cols = shape[0], numel // shape[0]
     rank = draw(st.integers(1, min(rows, cols)))
     return LowRank(draw(tensors((rows, rank), dtype)), draw(tensors((cols, rank), dtype)), shape)
+
+
+@st.composite
+def quantized(draw: st.DrawFn, shape: tuple[int, ...], dtype: torch.dtype):
+    numel = math.prod(shape)
+    chunk = draw(st.integers(1, max(numel, 1) + 3))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1)))
+    codes = torch.randint(-127, 128, (numel,), generator=gen, dtype=torch.int8)
+    scales = draw(tensors((-(-numel // chunk),), dtype)).abs()
+    return Quantized(codes, scales, chunk, shape)
 
 
 manifests = st.lists(

@@ -3,7 +3,8 @@
 Bit-exactness: with 2 ranks an all-reduce is one addition, a + b == b + a, so
 every `none` result is bit-identical to DDP.  With 3 ranks gloo's ring sums
 chunks in an order that depends on how the buffer is cut, and DDP's buckets
-are cut differently from our units, so results agree to rounding (<= 1e-6, or 8 ulps of the largest gradient).
+are cut differently from our units, so results agree to rounding (<= 1e-6, or 8 ulps of the largest
+gradient, 16 of the largest parameter or buffer).
 """
 
 from __future__ import annotations
@@ -75,13 +76,18 @@ def test_same_result_as_ddp(ddp_results: tuple[int, dict], case: str) -> None:
         assert res["none_mismatch"] == [], f"rank {rank}: None/non-None gradient differs from DDP"
         if res["eps"] < 1e-6:
             # Rounding scales with the values: a sum over 3 ranks taken in another order differed
-            # by 1.18e-6 (5 ulps) on gradients of magnitude 2.09 in one run of many.
+            # by 1.18e-6 (5 ulps) on gradients of magnitude 2.09 in one run of many.  Parameters and
+            # BatchNorm statistics carry every step's rounding (and forward passes on parameters
+            # that already differ): after 40 steps the running variance, of magnitude 0.96,
+            # differed by 1.01e-6 (8.9 ulps), so they get twice the gradients' allowance.
             tol = max(TOL, 8 * res["eps"] * res["grad_scale"])
+            tol_param = max(TOL, 16 * res["eps"] * res["param_scale"])
+            tol_buffer = max(TOL, 16 * res["eps"] * res["buffer_scale"])
         else:  # fp16/bf16 with 3 ranks: the sums are rounded to half precision in another order
-            tol = 2 * res["eps"] * max(res["grad_scale"], 1.0)
+            tol = tol_param = tol_buffer = 2 * res["eps"] * max(res["grad_scale"], 1.0)
         assert res["max_grad_diff"] <= tol, res
-        assert res["max_param_diff"] <= tol, res
-        assert res["max_buffer_diff"] <= tol, res
+        assert res["max_param_diff"] <= tol_param, res
+        assert res["max_buffer_diff"] <= tol_buffer, res
         assert res["ranks_agree"], "ranks ended with different parameters"
         if world == 2 and case not in NOT_BIT_EXACT:
             assert res["grads_bit_exact"] and res["params_bit_exact"], res

@@ -8,7 +8,20 @@ import torch
 import zmq
 from hypothesis import given, settings
 
-from protocol import Dense, LayerGradient, LayerTensor, LowRank, Manifest, Model, Push, TopK, decode, encode
+from protocol import (
+    Dense,
+    LayerGradient,
+    LayerTensor,
+    LowRank,
+    Manifest,
+    Model,
+    Push,
+    Quantized,
+    Sparse,
+    TopK,
+    decode,
+    encode,
+)
 from protocol.payload import FLOAT_DTYPES
 from tests.conftest import same_message
 from tests.strategies import messages, payloads
@@ -59,6 +72,33 @@ def test_encode_hands_zeromq_views_of_tensor_storage(dtype: torch.dtype) -> None
     frames = encode(msg)
     sources = [dense, topk.values, topk.indices, low.p, low.q]
     assert [_address(f) for f in frames[1:]] == [t.data_ptr() for t in sources]
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_sparse_indices_cross_the_16_bit_blocks_of_their_coding(int8: bool) -> None:
+    # Offsets are 16 bits within blocks of 65,536: entries at both edges of every block,
+    # an empty block, and the layer's last element (a short last block).
+    shape = (5, 60_000)
+    indices = torch.tensor([0, 65_535, 65_536, 65_537, 131_071, 262_144, 299_999])
+    k = indices.numel()
+    values = (
+        Quantized(torch.arange(1, k + 1, dtype=torch.int8), torch.full((2,), 0.5), 4, (k,))
+        if int8
+        else Dense(torch.arange(1.0, k + 1))
+    )
+    payload = Sparse.from_indices(indices, values, shape)
+    assert payload.counts.tolist() == [2, 3, 0, 0, 2]
+    decoded = (
+        decode(encode(Push(seq=1, base_version=0, layers=(LayerGradient("w", payload),)))).layers[0].payload
+    )
+    assert torch.equal(decoded.indices(), indices)
+    dense = decoded.to_dense().view(-1)
+    expected = torch.zeros(300_000)
+    expected[indices] = values.to_dense()
+    assert torch.equal(dense, expected)
+    # 2 bytes an index, 4 bytes per block: what makes top-k pay on a slow link.
+    frames = encode(Push(seq=1, base_version=0, layers=(LayerGradient("w", payload),)))
+    assert len(frames[1]) + len(frames[2]) == 5 * 4 + 2 * k
 
 
 def test_non_contiguous_tensor_is_sent_correctly() -> None:

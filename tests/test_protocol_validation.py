@@ -21,11 +21,14 @@ from protocol import (
     Model,
     ProtocolError,
     Push,
+    Quantized,
     Reason,
+    Sparse,
     TopK,
     decode,
     encode,
 )
+from protocol.payload import checksum
 
 MANIFEST = Manifest.from_parameters(
     [("enc.weight", torch.nn.Parameter(torch.zeros(4, 3))), ("enc.bias", torch.nn.Parameter(torch.zeros(4)))]
@@ -47,6 +50,30 @@ def edit_header(frames: list[bytes], change: Callable[[dict], None]) -> list[byt
     header = msgpack.unpackb(frames[0])
     change(header)
     return [msgpack.packb(header), *frames[1:]]
+
+
+def edit_frame(frames: list[bytes], index: int, data: bytes) -> list[bytes]:
+    """Replace payload frame `index` (of a one-layer push), re-checksummed: only the content lies."""
+    frames = edit_header(
+        frames, lambda h: h["layers"][0]["xxh"].__setitem__(index, checksum(memoryview(data)))
+    )
+    frames[1 + index] = data
+    return frames
+
+
+def sparse_frames(indices: list[int], numel: int = 10, *, int8: bool = False) -> list[bytes]:
+    k = len(indices)
+    values = (
+        Quantized(torch.ones(k, dtype=torch.int8), torch.ones(1), 8, (k,)) if int8 else Dense(torch.ones(k))
+    )
+    return push_frames(LayerGradient("w", Sparse.from_indices(torch.tensor(indices), values, (numel,))))
+
+
+def int8_frames(numel: int = 6, chunk: int = 4) -> list[bytes]:
+    scales = torch.ones(-(-numel // chunk))
+    return push_frames(
+        LayerGradient("w", Quantized(torch.ones(numel, dtype=torch.int8), scales, chunk, (numel,)))
+    )
 
 
 def refused(frames: list, **kwargs) -> ProtocolError:
@@ -200,6 +227,72 @@ CASES: dict[str, tuple[Callable[[], list], Reason]] = {
             push_frames(LayerGradient("w", LowRank(torch.ones(2, 1), torch.ones(3, 1), (2, 3)))),
             lambda h: h["layers"][0].update(shape=[6]),
         ),
+        Reason.ENCODING,
+    ),
+    "int8 code -128": (
+        lambda: edit_frame(int8_frames(), 0, bytes([1, 2, 0x80, 4, 5, 6])),
+        Reason.ENCODING,
+    ),
+    "int8 negative scale": (
+        lambda: edit_frame(int8_frames(), 1, torch.tensor([1.0, -1.0]).numpy().tobytes()),
+        Reason.ENCODING,
+    ),
+    "int8 nan scale": (
+        lambda: edit_frame(int8_frames(), 1, torch.tensor([1.0, math.nan]).numpy().tobytes()),
+        Reason.NONFINITE,
+    ),
+    "int8 scales for another chunk": (
+        lambda: edit_header(int8_frames(), lambda h: h["layers"][0].update(chunk=2)),
+        Reason.FRAME_SIZE,
+    ),
+    "int8 chunk zero": (
+        lambda: edit_header(int8_frames(), lambda h: h["layers"][0].update(chunk=0)),
+        Reason.ENCODING,
+    ),
+    "sparse indices not sorted": (
+        lambda: edit_frame(
+            sparse_frames([1, 5]), 1, torch.tensor([5, 1], dtype=torch.int16).numpy().tobytes()
+        ),
+        Reason.ENCODING,
+    ),
+    "sparse index repeated": (
+        lambda: edit_frame(
+            sparse_frames([1, 5]), 1, torch.tensor([5, 5], dtype=torch.int16).numpy().tobytes()
+        ),
+        Reason.ENCODING,
+    ),
+    "sparse index past the layer": (
+        lambda: edit_frame(
+            sparse_frames([1, 5]), 1, torch.tensor([1, 10], dtype=torch.int16).numpy().tobytes()
+        ),
+        Reason.ENCODING,
+    ),
+    "sparse counts do not add up": (
+        lambda: edit_frame(sparse_frames([1, 5]), 0, torch.tensor([3], dtype=torch.int32).numpy().tobytes()),
+        Reason.ENCODING,
+    ),
+    "sparse negative count": (
+        lambda: edit_frame(sparse_frames([1, 5]), 0, torch.tensor([-2], dtype=torch.int32).numpy().tobytes()),
+        Reason.ENCODING,
+    ),
+    "sparse more entries than elements": (
+        lambda: edit_header(sparse_frames(list(range(10))), lambda h: h["layers"][0].update(shape=[5])),
+        Reason.ENCODING,
+    ),
+    "sparse values of unknown kind": (
+        lambda: edit_header(sparse_frames([1, 5]), lambda h: h["layers"][0].update(values="int4")),
+        Reason.ENCODING,
+    ),
+    "sparse float values with a chunk": (
+        lambda: edit_header(sparse_frames([1, 5]), lambda h: h["layers"][0].update(chunk=8)),
+        Reason.UNKNOWN_FIELD,
+    ),
+    "sparse int8 values without a chunk": (
+        lambda: edit_header(sparse_frames([1, 5], int8=True), lambda h: h["layers"][0].pop("chunk")),
+        Reason.MISSING_FIELD,
+    ),
+    "sparse int8 value -128": (
+        lambda: edit_frame(sparse_frames([1, 5], int8=True), 2, bytes([1, 0x80])),
         Reason.ENCODING,
     ),
     "settings value is a map": (
