@@ -85,6 +85,11 @@ class GatewaySettings:
         min=1,
         max=1024,
     )
+    audit_mass: bool = setting(
+        False,
+        "keep, per edge and layer, a float64 sum of what its pushes added (the mass audit of "
+        "compressed pushes; costs two model copies per edge)",
+    )
     window: int = setting(1024, "recent push verdicts kept per edge for de-duplication", min=16)
     max_rounds: int = setting(0, "stop after this many rounds (0: serve until stopped)", min=0)
     seed: int = setting(0, "seed of the initial model", min=0)

@@ -165,9 +165,9 @@ class GatewayOptions:
     gateway_id: str = ""  # prefix of the instance id, which is new at every start (edges notice a restart)
     max_clients: int = 1024  # devices remembered at once; a hello beyond is refused
     client_idle_s: float = 600.0  # ... unless the device silent the longest has been silent this long
-    # Payload encodings accepted from edges (they push dense today); top-k and low-rank cost the
-    # gateway an expansion per push.
-    encodings: tuple[str, ...] = ("dense",)
+    # Payload encodings accepted from edges: dense (fp32/fp16), and what uplink compression sends
+    # (int8, sparse top-k).  The general top-k and low-rank forms cost an expansion per push.
+    encodings: tuple[str, ...] = ("dense", "int8", "sparse")
     rate_messages_per_s: float = 5000.0  # per device, all message types (0: no limit)
     rate_burst: int = 5000  # messages a device may send back to back
     rate_bytes_per_s: float = 0.0  # per device (0: no limit)
@@ -178,6 +178,9 @@ class GatewayOptions:
     # Served model versions kept for chunked downloads (ModelFetch), the least recently fetched
     # forgotten first: an edge part-way through one finishes it rather than starting over.
     model_versions_kept: int = 8
+    # Per edge and layer, a float64 sum of the decoded pushes it applied (before weighting): with
+    # the edge's own sums, proves compression loses nothing (tests, benchmarks).
+    audit_mass: bool = False
     max_chunk_bytes: int = 4 * 2**20  # the most one ModelChunk carries, whatever an edge asks
 
     def __post_init__(self) -> None:
@@ -408,6 +411,7 @@ class Gateway:
             limits_for(self.manifest, DEFAULT_LIMITS), encodings=self.options.encodings
         )
         self.acc = [self.aggregation.accumulator(p.numel()) for p in self.params]
+        self._applied_mass: dict[str, list[torch.Tensor]] = {}
         self._dense_bytes = {n: p.numel() * p.element_size() for n, p in named}
         self.delivery = DeliveryPace(sum(self._dense_bytes.values()))
         self._rates: dict[str, _Rate] = {}
@@ -669,6 +673,7 @@ class Gateway:
                     "window": self.options.window,
                     "commits": self.checkpoints is not None,
                     "push": self.edge_push,
+                    "encodings": ",".join(self.options.encodings),
                 },
             ),
         )
@@ -761,6 +766,11 @@ class Gateway:
             applied = self.applied_steps[cid] = [0] * len(self.params)
         for layer, tensor, factor in zip(msg.layers, dense, factors):
             i = self.layer_index[layer.name]  # the codec checked the name against the manifest
+            if self.options.audit_mass:
+                mass = self._applied_mass.setdefault(
+                    cid, [torch.zeros(p.numel(), dtype=torch.float64) for p in self.params]
+                )
+                mass[i].add_(tensor.reshape(-1).double())
             self.acc[i].add(cid, tensor, self.weighting.share(layer.count), scale * factor)
             self.metrics.applied.inc(cid, layer.name, by=layer.count)
             applied[i] += layer.count
@@ -1001,6 +1011,16 @@ class Gateway:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
             self.metrics.send_failures.inc("peer_gone")
+
+    def applied_mass(self, client_id: str) -> dict[str, torch.Tensor]:
+        """Per layer, the float64 sum of `client_id`'s pushes this gateway applied (`audit_mass`)."""
+        if not self.options.audit_mass:
+            raise RuntimeError("the mass audit needs GatewayOptions(audit_mass=True)")
+        mass = self._applied_mass.get(client_id)
+        return {
+            name: (mass[i].clone() if mass else torch.zeros(p.numel(), dtype=torch.float64))
+            for i, (name, p) in enumerate(zip(self.names, self.params))
+        }
 
     def status(self) -> dict[str, object]:
         return {

@@ -129,6 +129,7 @@ def build_gateway(
             max_grad_norm=g.max_grad_norm,
             norm_policy=g.norm_policy,
             model_versions_kept=g.model_versions_kept,
+            audit_mass=g.audit_mass,
         ),
         weighting=weighting,
         aggregation=aggregation_named(g.aggregation, g.trim),

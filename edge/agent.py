@@ -32,6 +32,7 @@ from torch import nn
 
 from common.hooks import GradientHooks, pack_by_size, trainable_parameters
 from edge.cache import GradientCache
+from edge.compression import UplinkCompression
 from edge.direction import Direction, RawGradient, SgdDirection
 from edge.session import EdgeSession, SessionOptions
 from protocol import Manifest
@@ -53,10 +54,14 @@ class ElasticEdge(nn.Module):
         pack_cap_bytes: int = 1 << 20,
         model_version: int = 0,
         start: bool = True,
+        compression: str | UplinkCompression = "none",
+        audit: bool = False,
     ) -> None:
         super().__init__()
         if sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+        if isinstance(compression, str):
+            compression = UplinkCompression.parse(compression)
         self.module = module
         self.sync_every = sync_every
         named = trainable_parameters(module)
@@ -66,6 +71,8 @@ class ElasticEdge(nn.Module):
         self.cache = GradientCache(
             [[(named[i][0], tuple(named[i][1].shape), named[i][1].dtype) for i in unit] for unit in plan],
             pin_memory=any(p.is_cuda for _, p in named),
+            compression=compression,
+            audit=audit,
         )
         self._by_name = dict(named)
         self.version = model_version  # the global model version this edge trains from

@@ -26,6 +26,15 @@ buffers per unit whatever the commit delay.  If the gateway instance dies before
 its checkpoint, the held sums go back into `pending` and are sent again (see
 `lost_to_pending`); the restarted gateway never saw them, so they count once.
 
+Under uplink compression (edge/compression.py) `take` encodes `pending + residual`
+once, keeps the wire payloads in the flight (a re-send is the same bytes), the
+decoded sum in the flight's buffer (what the gateway will add, and what goes
+back to `pending` if a gateway dies before its checkpoint), and the difference
+in the unit's `residual`, which enters the next flight.  So the *mass* audit
+holds per unit: produced == applied + dropped + residual + pending + flight.
+With `audit=True` the cache keeps float64 sums of what was produced and dropped
+to check it (a copy of every unit: for tests and benchmarks).
+
 For the edge's own restarts (edge/persistence.py): a sum a save recorded as
 *pending* must not leave before a later save records it as a flight, or a crash
 in between would reload it as pending and send it again under a new sequence
@@ -40,9 +49,14 @@ import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from protocol.payload import Payload, payload_bytes
+
+if TYPE_CHECKING:
+    from edge.compression import UplinkCompression
 
 
 @dataclass
@@ -63,6 +77,12 @@ class Flight:
     resend_at: float = 0.0  # when a weak flight goes again if no answer came first
     unsent: bool = False  # taken, not pushed yet (waits for a save, or for credit)
     held_for_save: bool = False  # holds a sum a save recorded as pending: no push before a save
+    payloads: tuple[Payload, ...] | None = None  # per layer, as sent; None: dense views of `buffer`
+    wire_bytes: int = 0  # payload bytes of one send
+
+    def __post_init__(self) -> None:
+        if not self.wire_bytes:
+            self.wire_bytes = self.buffer.numel() * self.buffer.element_size()
 
 
 @dataclass
@@ -107,6 +127,9 @@ class UnitState:
     held: list[Held] = field(default_factory=list)
     durable: int = 0  # step-gradients the gateway declared durable (for the count audit)
     dropped: int = 0  # step-gradients the gateway refused or dropped as too stale
+    residual: torch.Tensor | None = None  # what compressed flights did not carry (error feedback)
+    produced_mass: torch.Tensor | None = None  # float64 sum of every step-gradient (audit only)
+    dropped_mass: torch.Tensor | None = None  # float64 sum of refused flights (audit only)
 
     def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Per-layer tensors over a unit buffer (contiguous, so they encode without a copy)."""
@@ -123,9 +146,13 @@ class GradientCache:
         self,
         units: Sequence[Sequence[tuple[str, tuple[int, ...], torch.dtype]]],
         pin_memory: bool = False,
+        compression: UplinkCompression | None = None,
+        audit: bool = False,
     ) -> None:
         self.lock = threading.Lock()
         self.pin_memory = pin_memory
+        self.compression = compression if compression is not None and compression.lossy else None
+        self.audit = audit
         self.units: list[UnitState] = []
         for u, layers in enumerate(units):
             dtypes = {dtype for _, _, dtype in layers}
@@ -149,6 +176,12 @@ class GradientCache:
                     pending=self._buffer(total, dtype),
                 )
             )
+            unit = self.units[-1]
+            if self.compression is not None:
+                unit.residual = torch.zeros(total, dtype=dtype)
+            if audit:
+                unit.produced_mass = torch.zeros(total, dtype=torch.float64)
+                unit.dropped_mass = torch.zeros(total, dtype=torch.float64)
 
     def _buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, pin_memory=self.pin_memory)
@@ -176,6 +209,10 @@ class GradientCache:
                         view.copy_(grad.detach())
                     else:
                         view.add_(grad.detach())
+            if unit.produced_mass is not None:
+                for view, grad in zip(unit.views(unit.produced_mass), grads):
+                    if grad is not None:
+                        view.add_(grad.detach().to("cpu", torch.float64))
             unit.pending_count += 1
             unit.produced += 1
 
@@ -214,20 +251,51 @@ class GradientCache:
                 return None
             fresh = unit.spare if unit.spare is not None else self._buffer(unit.numel, unit.dtype)
             unit.spare = None
+            sent, payloads, wire = unit.pending, None, 0
+            if self.compression is not None:
+                sent, payloads, wire = self._compress(unit, fresh)
+            elif unit.residual is not None:  # saved by a run that compressed: it goes out now
+                unit.pending.add_(unit.residual)
+                unit.residual = None
             flight = Flight(
                 seq=seq,
-                buffer=unit.pending,
+                buffer=sent,
                 count=unit.pending_count,
                 base_version=unit.pending_base,
                 first_sent=now,
                 deadline=now + timeout_s,
                 last_sent=now,
+                payloads=payloads,
+                wire_bytes=wire,
             )
             flight.held_for_save, unit.saved_pending = unit.saved_pending, False
             unit.flight = flight
-            unit.pending = fresh
+            if self.compression is None:
+                unit.pending = fresh
             unit.pending_count = 0
             return flight
+
+    def _compress(
+        self, unit: UnitState, fresh: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[Payload, ...], int]:
+        """Encode pending + residual into `fresh` (the decoded flight); the rest becomes the residual.
+
+        Buffers rotate, none is allocated: the summed pending becomes the residual, and the
+        old residual buffer the next pending (its bytes are overwritten by the next first add).
+        """
+        assert self.compression is not None and unit.residual is not None
+        total = unit.pending
+        total.add_(unit.residual)
+        payloads = tuple(
+            self.compression.encode(view.reshape(-1), shape)
+            for view, shape in zip(unit.views(total), unit.shapes)
+        )
+        for view, payload in zip(unit.views(fresh), payloads):
+            view.copy_(payload.to_dense())
+        total.sub_(fresh)
+        unit.pending, unit.residual = unit.residual, total
+        wire = sum(payload_bytes(p) for p in payloads)
+        return fresh, payloads, wire
 
     def resolve(self, u: int, hold: tuple[str, int] | None = None) -> Flight | None:
         """The gateway answered the flight of unit `u`.
@@ -265,6 +333,14 @@ class GradientCache:
             same.count += flight.count
             same.base_version = min(same.base_version, flight.base_version)
             return flight
+
+    def dropped(self, u: int, flight: Flight) -> None:
+        """The gateway refused or dropped `flight` (answered, not applied): its work is gone."""
+        unit = self.units[u]
+        with self.lock:
+            unit.dropped += flight.count
+            if unit.dropped_mass is not None:
+                unit.dropped_mass.add_(flight.buffer.double())
 
     def _recycle(self, unit: UnitState, buffer: torch.Tensor, release: Any) -> None:
         # Reuse the buffer only once the transport has let go of it (a zero-copy send may
@@ -355,13 +431,54 @@ class GradientCache:
             total = 0
             for u in self.units:
                 held = [h.buffer for h in u.held]
-                for t in (u.pending, u.spare, u.staging, u.flight.buffer if u.flight else None, *held):
+                flight = u.flight.buffer if u.flight else None
+                for t in (u.pending, u.spare, u.staging, flight, u.residual, *held):
                     if t is not None:
                         total += t.numel() * t.element_size()
+                if u.flight is not None and u.flight.payloads is not None:
+                    total += u.flight.wire_bytes
             return total
 
     def bound_bytes(self) -> int:
-        """The most `host_bytes()` can be: pending, flight and `MAX_HELD` held sums (+ staging on a GPU)
-        per unit; a spare only exists when one of those does not."""
-        per = 2 + MAX_HELD + (1 if self.pin_memory else 0)
-        return per * sum(u.numel * u.dtype.itemsize for u in self.units)
+        """The most `host_bytes()` can be: pending, flight and `MAX_HELD` held sums (+ staging on a GPU,
+        + the residual and the flight's encoded payload under compression) per unit; a spare only
+        exists when one of those does not."""
+        per = 2 + MAX_HELD + (1 if self.pin_memory else 0) + (1 if self.compression is not None else 0)
+        dense = sum(u.numel * u.dtype.itemsize for u in self.units)
+        if self.compression is None:
+            return per * dense
+        payloads = sum(
+            self.compression.wire_bytes(math.prod(shape), u.dtype.itemsize)
+            for u in self.units
+            for shape in u.shapes
+        )
+        return per * dense + payloads
+
+    def wire_bytes(self, u: int) -> int:
+        """Payload bytes of one push of unit `u` (what the link will carry)."""
+        unit = self.units[u]
+        if self.compression is None:
+            return unit.numel * unit.dtype.itemsize
+        return sum(
+            self.compression.wire_bytes(math.prod(shape), unit.dtype.itemsize) for shape in unit.shapes
+        )
+
+    def mass(self, u: int) -> dict[str, torch.Tensor]:
+        """Float64 sums of unit `u`'s gradient mass by where it is (the mass audit; `audit=True`).
+
+        produced == applied by the gateway + dropped + residual + pending + flight, once every
+        answered flight's verdict is in (held sums were applied: they are the gateway's).
+        """
+        unit = self.units[u]
+        if unit.produced_mass is None or unit.dropped_mass is None:
+            raise RuntimeError("the mass audit needs GradientCache(audit=True)")
+        with self.lock:
+            self._settle(unit)
+            zero = torch.zeros(unit.numel, dtype=torch.float64)
+            return {
+                "produced": unit.produced_mass.clone(),
+                "dropped": unit.dropped_mass.clone(),
+                "residual": zero if unit.residual is None else unit.residual.double(),
+                "pending": unit.pending.double() if unit.pending_count else zero,
+                "flight": unit.flight.buffer.double() if unit.flight is not None else zero,
+            }

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 from common.config import section, setting
 from common.shared_settings import (
-    compression_setting,
     faults_spec,
     insecure_setting,
     log_format_setting,
@@ -60,6 +59,17 @@ class EdgeThermal:
     poll_s: float = setting(1.0, "read the zones at most this often", min=0.05)
 
 
+def uplink_compression_spec(value: str) -> str | None:
+    """The `--compression` syntax (edge/compression.py), checked when a config loads."""
+    from edge.compression import UplinkCompression  # torch: not for `--help`
+
+    try:
+        UplinkCompression.parse(value)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 @dataclass(frozen=True)
 class EdgeConfig:
     gateway: str = setting("tcp://127.0.0.1:7878", "gateway endpoint to push to", check=tcp_endpoint)
@@ -84,7 +94,13 @@ class EdgeConfig:
         "inject faults on this agent's link, e.g. 'loss=0.3,burst=3,seed=1' (tests, demos)",
         check=faults_spec,
     )
-    compression: str = compression_setting("payload compression")
+    compression: str = setting(
+        "none",
+        "uplink compression with error feedback: none, fp16, int8, topk:<ratio>, or "
+        "topk:<ratio>+fp16|int8 (e.g. topk:0.01+int8: about 130x fewer bytes; what a push leaves "
+        "out enters the next)",
+        check=uplink_compression_spec,
+    )
     state_dir: str = setting(
         ".elasticfed/edge", "where the gradient cache and sequence numbers survive restarts (empty: nowhere)"
     )

@@ -1,8 +1,11 @@
 """The edge's state on disk: its gradient cache and sequence numbers, saved atomically, loaded at start.
 
 What is saved, per unit: the pending sum and its count, the unanswered flight
-(seq, bytes, count), the held sums (acknowledged, not yet durable, with their
-gateway instance and epoch) and the audit counts; and the session's next seq.
+(seq, bytes, count; a compressed flight as its wire frames, so a re-send after a
+restart is the same bytes and is checked by the codec when it loads), the
+error-feedback residual, the held sums (acknowledged, not yet durable, with their
+gateway instance and epoch) and the audit counts (and masses, when audited); and
+the session's next seq.
 Files are `common/checkpoint.py` files (safetensors + JSON, written to a temp
 file, fsynced and renamed), two kept, so a power cut during a save leaves the
 previous one.  A file that is torn, corrupt, of another device,
@@ -35,6 +38,8 @@ import torch
 
 from common.checkpoint import CheckpointError, CheckpointStore, read_tensors
 from edge.cache import MAX_HELD, Flight, Held
+from protocol import LayerGradient, ProtocolError, Push, decode, encode, limits_for
+from protocol.payload import payload_bytes
 
 if TYPE_CHECKING:
     from edge.session import EdgeSession
@@ -127,8 +132,21 @@ def export_state(session: EdgeSession) -> tuple[dict[str, torch.Tensor], dict[st
             flight = unit.flight
             if flight is not None:
                 # Unchanged while unanswered, and answers are handled on this same thread.
-                tensors[f"{unit.index}.flight"] = flight.buffer
                 entry["flight"] = {"seq": flight.seq, "count": flight.count, "base": flight.base_version}
+                if flight.payloads is None:
+                    tensors[f"{unit.index}.flight"] = flight.buffer
+                else:
+                    frames = _flight_frames(unit.names, flight)
+                    tensors[f"{unit.index}.flight_wire"] = torch.frombuffer(
+                        bytearray(b"".join(frames)), dtype=torch.uint8
+                    )
+                    entry["flight"]["frames"] = [len(f) for f in frames]
+            # Training never writes the residual (the I/O thread rotates it, and saves from there).
+            if unit.residual is not None:
+                tensors[f"{unit.index}.residual"] = unit.residual
+            if unit.produced_mass is not None and unit.dropped_mass is not None:
+                tensors[f"{unit.index}.produced_mass"] = unit.produced_mass.clone()
+                tensors[f"{unit.index}.dropped_mass"] = unit.dropped_mass
             for j, held in enumerate(unit.held):
                 tensors[f"{unit.index}.held.{j}"] = held.buffer
                 entry["held"].append(
@@ -147,6 +165,43 @@ def export_state(session: EdgeSession) -> tuple[dict[str, torch.Tensor], dict[st
         "units": units,
     }
     return tensors, meta
+
+
+def _flight_frames(names: tuple[str, ...], flight: Flight) -> list[bytes]:
+    """A compressed flight's layers as the codec frames them (header, then payload frames)."""
+    assert flight.payloads is not None
+    layers = tuple(LayerGradient(n, p, flight.count) for n, p in zip(names, flight.payloads))
+    push = Push(seq=flight.seq, base_version=flight.base_version, layers=layers)
+    return [bytes(memoryview(f).cast("B")) if not isinstance(f, bytes) else f for f in encode(push)]
+
+
+def _load_flight_payloads(
+    session: EdgeSession, unit: Any, wire: torch.Tensor | None, lengths: Any, where: str
+) -> tuple[tuple[Any, ...], torch.Tensor]:
+    """Decode a saved compressed flight (as strictly as the gateway would) into payloads and their sum."""
+    if wire is None or wire.dtype != torch.uint8 or wire.dim() != 1:
+        raise CheckpointError(f"{where}: compressed flight frames are missing")
+    if (
+        type(lengths) is not list
+        or any(type(n) is not int or n < 0 for n in lengths)
+        or sum(lengths) != wire.numel()
+    ):
+        raise CheckpointError(f"{where}: compressed flight frame lengths do not match its bytes")
+    raw = wire.numpy().tobytes()
+    frames, at = [], 0
+    for n in lengths:
+        frames.append(raw[at : at + n])
+        at += n
+    try:
+        msg = decode(frames, limits=limits_for(session.manifest), manifest=session.manifest)
+    except ProtocolError as exc:
+        raise CheckpointError(f"{where}: saved compressed flight does not decode: {exc}") from None
+    if not isinstance(msg, Push) or [layer.name for layer in msg.layers] != list(unit.names):
+        raise CheckpointError(f"{where}: saved compressed flight holds other layers")
+    buffer = torch.empty(unit.numel, dtype=unit.dtype)
+    for view, layer in zip(unit.views(buffer), msg.layers):
+        view.copy_(layer.payload.to_dense())
+    return tuple(layer.payload for layer in msg.layers), buffer
 
 
 def _count(value: Any, where: str) -> int:
@@ -203,7 +258,20 @@ def import_state(
             fseq = _count(f["seq"], f"{where}: flight seq")
             if not 0 < fseq < seq or _count(f["count"], f"{where}: flight count") < 1:
                 raise CheckpointError(f"{where}: flight seq {fseq} or count {f['count']} out of range")
-            plan["flight"] = (fseq, tensor("flight"), f["count"], _count(f["base"], f"{where}: flight base"))
+            base = _count(f["base"], f"{where}: flight base")
+            if "frames" in f:
+                wire = tensors.get(f"{unit.index}.flight_wire")
+                payloads, buffer = _load_flight_payloads(session, unit, wire, f["frames"], where)
+            else:
+                payloads, buffer = None, tensor("flight")
+            plan["flight"] = (fseq, buffer, f["count"], base, payloads)
+        plan["residual"] = tensor("residual") if f"{unit.index}.residual" in tensors else None
+        plan["mass"] = None
+        if unit.produced_mass is not None:
+            masses = [tensors.get(f"{unit.index}.{name}") for name in ("produced_mass", "dropped_mass")]
+            if any(t is None or t.dtype != torch.float64 or t.shape != (unit.numel,) for t in masses):
+                raise CheckpointError(f"{where}: saved without the mass audit this agent keeps")
+            plan["mass"] = masses
         if type(entry["held"]) is not list or len(entry["held"]) > MAX_HELD:
             raise CheckpointError(f"{where}: more than {MAX_HELD} held sums")
         for j, h in enumerate(entry["held"]):
@@ -237,8 +305,13 @@ def import_state(
             unit.held = plan["held"]
             for held in unit.held:
                 held.buffer = held.buffer.clone()  # summed into in place later
+            if plan["residual"] is not None:
+                # Kept even if this run does not compress: the next push carries it (edge/cache.py).
+                unit.residual = plan["residual"].clone()
+            if plan["mass"] is not None:
+                unit.produced_mass, unit.dropped_mass = (t.clone() for t in plan["mass"])
             if plan["flight"] is not None:
-                fseq, buffer, count, base = plan["flight"]
+                fseq, buffer, count, base, payloads = plan["flight"]
                 # Weak and unsent on this connection: it goes again once a gateway answers.
                 unit.flight = Flight(
                     seq=fseq,
@@ -250,6 +323,8 @@ def import_state(
                     last_sent=-math.inf,
                     weak=True,
                     outstanding=False,
+                    payloads=payloads,
+                    wire_bytes=sum(payload_bytes(p) for p in payloads) if payloads else 0,
                 )
                 flights[fseq] = unit.index
     session.seq = seq

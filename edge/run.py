@@ -144,13 +144,6 @@ def run(args: argparse.Namespace, config: EdgeConfig) -> int:
     client_id = config.client_id or (curve[0].name if curve and curve[0].name else socket.gethostname())
     if curve is None:
         log.warning("--insecure: this agent's link to %s is NOT encrypted or authenticated", config.gateway)
-    if config.compression != "none":
-        print(
-            f"elasticfed edge: error: --compression {config.compression}: the edge pushes dense "
-            "gradients only for now (compression exists between cloud ranks); use --compression none",
-            file=sys.stderr,
-        )
-        return 2
     try:
         task = load_task(config.task)
     except TaskError as exc:
@@ -186,6 +179,7 @@ def run(args: argparse.Namespace, config: EdgeConfig) -> int:
             session_options(config, client_id, curve),
             sync_every=config.sync_every,
             pack_cap_bytes=config.pack_cap_kib * 1024,
+            compression=config.compression,
         )
     except (OSError, CheckpointError) as exc:
         print(f"elasticfed edge: error: --state-dir {config.state_dir}: {exc}", file=sys.stderr)

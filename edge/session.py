@@ -105,6 +105,7 @@ from protocol import (
     frame_bytes,
     limits_for,
 )
+from protocol.payload import payload_bytes
 
 log = logging.getLogger("elasticfed.edge")
 
@@ -643,9 +644,9 @@ class EdgeSession:
 
     def _push(self, u: int, flight: Flight, now: float) -> bool:
         unit = self.cache.units[u]
+        payloads = flight.payloads or tuple(Dense(view) for view in unit.views(flight.buffer))
         layers = tuple(
-            LayerGradient(name, Dense(view), flight.count)
-            for name, view in zip(unit.names, unit.views(flight.buffer))
+            LayerGradient(name, payload, flight.count) for name, payload in zip(unit.names, payloads)
         )
         msg = Push(
             seq=flight.seq,
@@ -662,8 +663,8 @@ class EdgeSession:
             self._queued[flight.seq] = (nbytes + _nbytes(flight), first)
             self._queued_bytes += _nbytes(flight)
             self._uplink_fluid.add(_nbytes(flight), now)
-        for name, shape in zip(unit.names, unit.shapes):
-            self.metrics.sent_bytes.inc(name, by=math.prod(shape) * unit.dtype.itemsize)
+        for name, payload in zip(unit.names, payloads):
+            self.metrics.sent_bytes.inc(name, by=payload_bytes(payload))
             self.metrics.staleness.observe(name, value=max(0, self.announced - flight.base_version))
         if result is False:
             return False
@@ -680,7 +681,7 @@ class EdgeSession:
             unit = self.cache.units[u]
             if unit.flight is not None:
                 continue  # waits for the unanswered push of this unit
-            if not self._may_send(unit.numel * unit.dtype.itemsize, now):
+            if not self._may_send(self.cache.wire_bytes(u), now):
                 return
             floor = self._oldest_unanswered()
             if self.seq - floor >= self.window:
@@ -909,6 +910,16 @@ class EdgeSession:
             log.warning("ignored push=%r from the gateway (not 'step' or 'gradient'): gradients it is", push)
             push = "gradient"
         self.push = push
+        accepted = msg.settings.get("encodings", "dense")  # a gateway that does not say: dense only
+        compression = self.cache.compression
+        if compression is not None and isinstance(accepted, str):
+            missing = sorted(compression.encodings - set(accepted.split(",")))
+            if missing:
+                raise EdgeRefused(
+                    f"the gateway does not accept {', '.join(missing)} payloads, which compression "
+                    f"{compression.spec} sends (it accepts {accepted}): run with another --compression, "
+                    "or add the encodings to the gateway's"
+                )
         # Above everything the gateway judged from this client id: after a restart that lost
         # this edge's newest state, a reused seq would be taken for a duplicate.
         if msg.next_seq > UINT_MAX // 2:
@@ -1066,7 +1077,7 @@ class EdgeSession:
             return
         unit = self.cache.units[u]
         if not accepted:
-            unit.dropped += flight.count
+            self.cache.dropped(u, flight)
         elif hold is None and epoch:
             unit.durable += flight.count
             for name in unit.names:
@@ -1301,7 +1312,7 @@ class EdgeSession:
 
 
 def _nbytes(flight: Flight) -> int:
-    return flight.buffer.numel() * flight.buffer.element_size()
+    return flight.wire_bytes
 
 
 def _int_setting(settings: dict[str, object], key: str, default: int) -> int:

@@ -251,3 +251,22 @@ class Sparse:
 
 
 Payload = Dense | TopK | LowRank | Quantized | Sparse
+
+
+def payload_bytes(payload: Payload) -> int:
+    """Bytes of a payload's frames on the wire."""
+
+    def size(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    if isinstance(payload, Dense):
+        return size(payload.tensor)
+    if isinstance(payload, Quantized):
+        return size(payload.codes) + size(payload.scales)
+    if isinstance(payload, Sparse):
+        return size(payload.counts) + size(payload.offsets) + payload_bytes(payload.values)
+    if isinstance(payload, TopK):
+        return size(payload.values) + size(payload.indices)
+    if isinstance(payload, LowRank):
+        return size(payload.p) + size(payload.q)
+    raise TypeError(type(payload).__name__)

@@ -41,7 +41,10 @@ def test_file_then_flags_override_in_that_order(tmp_path: Path) -> None:
         ("timeout_ms = true\n", "key 'timeout_ms' must be an integer, got True"),
         ("log_level = 'loud'\n", "key 'log_level' must be one of debug, info, warning, error"),
         ("gateway = 'http://x'\n", "key 'gateway' must be a ZeroMQ TCP endpoint"),
-        ("compression = 'topk:0'\n", "key 'compression' must be none, fp16, bf16"),
+        (
+            "compression = 'topk:0'\n",
+            "key 'compression' compression 'topk:0': the top-k ratio must be in (0, 1)",
+        ),
         ("security = 3\n", "'security' must be a table"),
         ("[security]\ninsecur = true\n", "[security]: unknown key 'insecur'; did you mean 'insecure'?"),
         ("timeout_ms = \n", "not valid TOML"),
@@ -166,9 +169,18 @@ def test_a_setting_of_an_unsupported_type_is_refused_at_declaration() -> None:
         list(cfg._keys(Bad))
 
 
-def test_edge_refuses_compression_it_cannot_do_yet(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["edge", "--compression", "topk:0.1", "--insecure"]) == 2
-    assert "--compression topk:0.1" in capsys.readouterr().err
+def test_edge_compression_specs() -> None:
+    from edge.config import uplink_compression_spec
+
+    for good in ("none", "fp16", "int8", "topk:0.01", "topk:0.001+int8", "topk:0.05+fp16"):
+        assert uplink_compression_spec(good) is None, good
+    for bad in ("topk", "topk:0", "topk:1", "topk:1.5", "topk:x", "topk:0.01+bf8", "powersgd:4", "zstd"):
+        assert uplink_compression_spec(bad) is not None, bad
+
+
+def test_edge_refuses_a_compression_it_does_not_know(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["edge", "--compression", "powersgd:4", "--insecure"]) == 2
+    assert "compression" in capsys.readouterr().err
 
 
 def test_gateway_alone_refuses_a_bad_task(capsys: pytest.CaptureFixture[str]) -> None:

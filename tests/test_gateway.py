@@ -495,7 +495,7 @@ def test_caps_are_sized_from_the_model_and_the_largest_real_messages_fit(gateway
 
     limits = limits_for(gateway.manifest)
     assert (
-        gateway.limits == dataclasses.replace(limits, encodings=("dense",))
+        gateway.limits == dataclasses.replace(limits, encodings=("dense", "int8", "sparse"))
         and limits.max_message_bytes < 2**20
     )
     # The largest messages a real edge sends about this model: dense, full top-k with int64 indices.

@@ -1,0 +1,128 @@
+"""Uplink compression with error feedback: a push carries C(pending + residual), the rest stays.
+
+One mechanism, a few policies, named by a spec string a user can type:
+
+- `none`: the sum as it is (fp32 for an fp32 model);
+- `fp16`: half precision;
+- `int8`: one byte an element, one scale per `INT8_CHUNK` elements;
+- `topk:<ratio>`: the largest `ratio` of each layer's entries, their indices coded
+  in 16 bits (`protocol.payload.Sparse`); `topk:<ratio>+fp16` and `topk:<ratio>+int8`
+  narrow the values too.
+
+What a push does not carry is the *residual*: the edge keeps it per unit and adds
+it into the next push (error feedback, as in Deep Gradient Compression and
+EF-SGD), so for every unit
+
+    what pushes carried + residual == what backward produced
+
+and nothing is lost, only delayed.  Encoding is deterministic and happens once,
+when a pending sum becomes a flight (edge/cache.py): a re-send of an unanswered
+push is the same bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from protocol.payload import SPARSE_BLOCK, Dense, Payload, Quantized, Sparse
+
+INT8_CHUNK = 256  # elements per int8 scale: 1.6% of the codes' bytes for fp32 scales
+_VALUES = ("fp32", "fp16", "int8")
+
+
+@dataclass(frozen=True)
+class UplinkCompression:
+    """A parsed compression spec; `encode` turns one layer's flat sum into its payload."""
+
+    spec: str
+    ratio: float | None = None  # top-k share of each layer's entries; None: every entry
+    values: str = "fp32"  # how the carried values travel: fp32 (the layer's dtype), fp16, int8
+
+    @classmethod
+    def parse(cls, spec: str) -> UplinkCompression:
+        """From `none`, `fp16`, `int8`, `topk:<r>` or `topk:<r>+fp16|int8`; ValueError says what is wrong."""
+        text = spec.strip().lower()
+        if text in ("none", "fp32"):
+            return cls("none")
+        if text in ("fp16", "int8"):
+            return cls(text, values=text)
+        head, _, narrow = text.partition("+")
+        if not head.startswith("topk:"):
+            raise ValueError(
+                f"compression {spec!r}: expected none, fp16, int8, topk:<ratio> or topk:<ratio>+fp16|int8"
+            )
+        try:
+            ratio = float(head[len("topk:") :])
+        except ValueError:
+            raise ValueError(f"compression {spec!r}: {head[5:]!r} is not a number") from None
+        if not 0.0 < ratio < 1.0 or not math.isfinite(ratio):
+            raise ValueError(f"compression {spec!r}: the top-k ratio must be in (0, 1), got {ratio}")
+        if narrow and narrow not in ("fp16", "int8"):
+            raise ValueError(
+                f"compression {spec!r}: top-k values may be narrowed to fp16 or int8, not {narrow!r}"
+            )
+        canonical = f"topk:{ratio:g}" + (f"+{narrow}" if narrow else "")
+        return cls(canonical, ratio=ratio, values=narrow or "fp32")
+
+    @property
+    def lossy(self) -> bool:
+        """Whether pushes leave a residual (everything but `none`)."""
+        return self.spec != "none"
+
+    @property
+    def encodings(self) -> frozenset[str]:
+        """The wire encodings this policy sends, which the gateway must accept."""
+        if self.ratio is not None:
+            return frozenset({"sparse", "dense"})
+        return frozenset({"int8" if self.values == "int8" else "dense"})
+
+    def kept(self, numel: int) -> int:
+        """Entries a layer of `numel` elements carries."""
+        if self.ratio is None:
+            return numel
+        return min(numel, max(1, math.ceil(self.ratio * numel)))
+
+    def wire_bytes(self, numel: int, itemsize: int) -> int:
+        """Payload bytes of one layer (frames only): what a push of it costs on the link."""
+        k = self.kept(numel)
+        if self.values == "int8":
+            values = k + 4 * -(-k // INT8_CHUNK)
+        else:
+            values = k * (2 if self.values == "fp16" else itemsize)
+        if self.ratio is None:
+            return values
+        return 4 * -(-numel // SPARSE_BLOCK) + 2 * k + values
+
+    def encode(self, flat: torch.Tensor, shape: tuple[int, ...]) -> Payload:
+        """The payload of one layer's flat sum (fp32/fp16/bf16 on the CPU); deterministic."""
+        if self.ratio is None:
+            return self._values(flat, shape)
+        k = self.kept(flat.numel())
+        if k == flat.numel():
+            return self._values(flat, shape)
+        indices = torch.topk(flat.abs(), k, sorted=False).indices.sort().values
+        return Sparse.from_indices(indices, self._values(flat[indices], (k,)), shape)
+
+    def _values(self, flat: torch.Tensor, shape: tuple[int, ...]) -> Dense | Quantized:
+        if self.values == "fp16":
+            return Dense(flat.to(torch.float16).view(shape))
+        if self.values == "int8":
+            return quantize(flat, shape)
+        return Dense(flat.clone().view(shape))
+
+
+def quantize(flat: torch.Tensor, shape: tuple[int, ...], chunk: int = INT8_CHUNK) -> Quantized:
+    """Symmetric int8 with one scale (max |x| / 127) per chunk, rounded to nearest."""
+    n = flat.numel()
+    wide = flat.float()
+    pad = -n % chunk
+    padded = torch.nn.functional.pad(wide, (0, pad)).view(-1, chunk) if n else wide.view(0, chunk)
+    scales = padded.abs().amax(dim=1) / 127.0
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = torch.round(padded / safe[:, None]).clamp_(-127, 127).to(torch.int8).view(-1)[:n]
+    return Quantized(
+        codes.contiguous(), scales.to(flat.dtype if flat.is_floating_point() else torch.float32), chunk, shape
+    )
