@@ -240,9 +240,11 @@ def shape(net: EdgeNet, rate: str | None, loss: int) -> None:
 
 def run_elasticfed(
     name: str, spec: str, task: Task, edges: int, budget_s: float, rate: str | None, loss: int,
-    eval_every_s: float, work: Path, secure: bool,
+    eval_every_s: float, work: Path, secure: bool, edge_flags: tuple[str, ...] = (),
 ) -> Contender:  # fmt: skip
-    """Gateway (user defaults) in this process, edges in namespaces; snapshots of the served model."""
+    """Gateway (user defaults) in this process, edges in namespaces; snapshots of the served model.
+
+    `edge_flags` go to every edge (e.g. `--compression none` for the dense contenders)."""
     work.mkdir(parents=True)
     result = Contender(name, _link(rate, loss))
     began = time.monotonic()
@@ -294,6 +296,7 @@ def run_elasticfed(
                 "--train-partition", "iid",
                 "--state-dir", str(work / f"edge-{i}-state"),
                 *security[i],
+                *edge_flags,
             ]  # fmt: skip
             workers.append(Worker(f"edge-{i}", net.argv(argv), work / f"edge-{i}.log"))
         t0 = wait_started(workers, STARTUP_LIMIT_S)

@@ -32,7 +32,7 @@ from torch import nn
 
 from common.hooks import GradientHooks, pack_by_size, trainable_parameters
 from edge.cache import GradientCache
-from edge.compression import UplinkCompression
+from edge.compression import Compression, UplinkCompression
 from edge.direction import Direction, RawGradient, SgdDirection
 from edge.session import EdgeSession, SessionOptions
 from protocol import Manifest
@@ -54,7 +54,7 @@ class ElasticEdge(nn.Module):
         pack_cap_bytes: int = 1 << 20,
         model_version: int = 0,
         start: bool = True,
-        compression: str | UplinkCompression = "none",
+        compression: str | Compression = "auto",
         audit: bool = False,
     ) -> None:
         super().__init__()

@@ -56,7 +56,7 @@ import torch
 from protocol.payload import Payload, payload_bytes
 
 if TYPE_CHECKING:
-    from edge.compression import UplinkCompression
+    from edge.compression import Compression
 
 
 @dataclass
@@ -146,7 +146,7 @@ class GradientCache:
         self,
         units: Sequence[Sequence[tuple[str, tuple[int, ...], torch.dtype]]],
         pin_memory: bool = False,
-        compression: UplinkCompression | None = None,
+        compression: Compression | None = None,
         audit: bool = False,
     ) -> None:
         self.lock = threading.Lock()
@@ -447,12 +447,8 @@ class GradientCache:
         dense = sum(u.numel * u.dtype.itemsize for u in self.units)
         if self.compression is None:
             return per * dense
-        payloads = sum(
-            self.compression.wire_bytes(math.prod(shape), u.dtype.itemsize)
-            for u in self.units
-            for shape in u.shapes
-        )
-        return per * dense + payloads
+        # A flight's payloads are at most dense (`auto` may be at its dense rung).
+        return (per + 1) * dense
 
     def wire_bytes(self, u: int) -> int:
         """Payload bytes of one push of unit `u` (what the link will carry)."""

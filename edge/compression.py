@@ -2,6 +2,10 @@
 
 One mechanism, a few policies, named by a spec string a user can type:
 
+- `auto` (the default): the densest of the encodings below whose push of the
+  whole model takes the uplink, as measured, no longer than a training step
+  (at least `AUTO_MIN_PUSH_S`): dense where the link is fast, top-k where it
+  is slow (`AutoCompression`);
 - `none`: the sum as it is (fp32 for an fp32 model);
 - `fp16`: half precision;
 - `int8`: one byte an element, one scale per `INT8_CHUNK` elements;
@@ -30,7 +34,8 @@ import torch
 from protocol.payload import SPARSE_BLOCK, Dense, Payload, Quantized, Sparse
 
 INT8_CHUNK = 256  # elements per int8 scale: 1.6% of the codes' bytes for fp32 scales
-_VALUES = ("fp32", "fp16", "int8")
+AUTO_MIN_PUSH_S = 0.2  # `auto` never compresses harder than a push every this long needs
+AUTO_MIN_RATIO, AUTO_MAX_RATIO = 0.001, 0.25  # the top-k ratios `auto` chooses between
 
 
 @dataclass(frozen=True)
@@ -42,9 +47,11 @@ class UplinkCompression:
     values: str = "fp32"  # how the carried values travel: fp32 (the layer's dtype), fp16, int8
 
     @classmethod
-    def parse(cls, spec: str) -> UplinkCompression:
+    def parse(cls, spec: str) -> UplinkCompression | AutoCompression:
         """From `none`, `fp16`, `int8`, `topk:<r>` or `topk:<r>+fp16|int8`; ValueError says what is wrong."""
         text = spec.strip().lower()
+        if text == "auto":
+            return AutoCompression()
         if text in ("none", "fp32"):
             return cls("none")
         if text in ("fp16", "int8"):
@@ -52,7 +59,8 @@ class UplinkCompression:
         head, _, narrow = text.partition("+")
         if not head.startswith("topk:"):
             raise ValueError(
-                f"compression {spec!r}: expected none, fp16, int8, topk:<ratio> or topk:<ratio>+fp16|int8"
+                f"compression {spec!r}: expected auto, none, fp16, int8, topk:<ratio> or "
+                "topk:<ratio>+fp16|int8"
             )
         try:
             ratio = float(head[len("topk:") :])
@@ -112,6 +120,56 @@ class UplinkCompression:
         if self.values == "int8":
             return quantize(flat, shape)
         return Dense(flat.clone().view(shape))
+
+
+class AutoCompression:
+    """The encoding a push needs on the link as measured: `observe` picks, `encode` uses it.
+
+    The budget of a whole-model push is what the uplink carries in one training step
+    (at least `AUTO_MIN_PUSH_S`): a push then leaves before the next step's gradients
+    are ready, and a fast link carries everything.  Its share of the dense size picks
+    the rung: none (all of it), fp16 (half), int8 (a quarter), else top-k with int8
+    values at the ratio that fits (3 bytes an entry).  Until the link is measured it
+    sends int8.  Changing rungs between pushes loses nothing: the residual carries
+    what one push left out into the next, whatever encodes it.
+    """
+
+    spec = "auto"
+    lossy = True
+    encodings = frozenset({"dense", "int8", "sparse"})
+
+    def __init__(self) -> None:
+        self.current: UplinkCompression = UplinkCompression("int8", values="int8")
+
+    def observe(self, uplink_bytes_per_s: float, step_s: float, dense_bytes: int) -> UplinkCompression:
+        """Re-pick the rung from the measured uplink, the time a step takes and the model's dense size."""
+        budget = uplink_bytes_per_s * max(step_s, AUTO_MIN_PUSH_S)
+        share = budget / max(dense_bytes, 1)
+        if share >= 1.0:
+            self.current = UplinkCompression("none")
+        elif share >= 0.5:
+            self.current = UplinkCompression("fp16", values="fp16")
+        elif share >= 0.26:
+            self.current = UplinkCompression("int8", values="int8")
+        else:
+            ratio = min(AUTO_MAX_RATIO, max(AUTO_MIN_RATIO, share * 4 / 3.1))
+            ratio = float(f"{ratio:.1g}")  # a few distinct rungs, not a new one per measurement
+            self.current = UplinkCompression(f"topk:{ratio:g}+int8", ratio=ratio, values="int8")
+        return self.current
+
+    def kept(self, numel: int) -> int:
+        return self.current.kept(numel)
+
+    def wire_bytes(self, numel: int, itemsize: int) -> int:
+        return self.current.wire_bytes(numel, itemsize)
+
+    def encode(self, flat: torch.Tensor, shape: tuple[int, ...]) -> Payload:
+        if not self.current.lossy:  # dense at this moment: a copy (the residual buffer rotates)
+            return Dense(flat.clone().view(shape))
+        return self.current.encode(flat, shape)
+
+
+Compression = UplinkCompression | AutoCompression
 
 
 def quantize(flat: torch.Tensor, shape: tuple[int, ...], chunk: int = INT8_CHUNK) -> Quantized:

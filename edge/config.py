@@ -95,10 +95,11 @@ class EdgeConfig:
         check=faults_spec,
     )
     compression: str = setting(
-        "none",
-        "uplink compression with error feedback: none, fp16, int8, topk:<ratio>, or "
-        "topk:<ratio>+fp16|int8 (e.g. topk:0.01+int8: about 130x fewer bytes; what a push leaves "
-        "out enters the next)",
+        "auto",
+        "uplink compression with error feedback: auto (as much as the measured link needs for a "
+        "push per training step: none on a fast link, top-k on a slow one), none, fp16, int8, "
+        "topk:<ratio>, or topk:<ratio>+fp16|int8 (topk:0.01+int8: about 130x fewer bytes); what a "
+        "push leaves out enters the next",
         check=uplink_compression_spec,
     )
     state_dir: str = setting(

@@ -283,6 +283,12 @@ class EdgeSession:
         self._queued_bytes = 0
         self._uplink_fluid = Backlog(self.uplink)  # what the rate says has not crossed yet
         self._largest_unit = max((u.numel * u.dtype.itemsize for u in cache.units), default=0)
+        self._dense_bytes = sum(u.numel * u.dtype.itemsize for u in cache.units)
+        # `auto` compression's inputs (_tune_compression): the time a training step takes.
+        self._steps_seen = 0
+        self._steps_seen_at: float | None = None
+        self._step_s: float | None = None
+        self._compression_rung = ""
         self._cap_ready_at = 0.0  # the upload cap holds back the next push until then
         self._link_ready_at = 0.0  # the uplink's backlog holds back the next push until then
         # What an agent that follows its optimizer pushes (the gateway says, cloud.gateway.edge_push):
@@ -672,9 +678,32 @@ class EdgeSession:
             flight.release = result
         return True
 
+    def _tune_compression(self, now: float) -> None:
+        """Tell `auto` compression the measured uplink and the time a training step takes."""
+        observe = getattr(self.cache.compression, "observe", None)
+        if observe is None or not self.cache.units:
+            return
+        produced = self.cache.units[0].produced  # one step-gradient per step, in every unit
+        if produced > self._steps_seen:
+            if self._steps_seen_at is not None:
+                interval = (now - self._steps_seen_at) / (produced - self._steps_seen)
+                self._step_s = interval if self._step_s is None else 0.8 * self._step_s + 0.2 * interval
+            self._steps_seen, self._steps_seen_at = produced, now
+        if self.uplink.measured and self._step_s is not None:
+            chosen = observe(self.uplink.rate, self._step_s, self._dense_bytes)
+            if chosen.spec != self._compression_rung:
+                log.info(
+                    "compression %s: uplink %.2f Mbit/s, a step every %.2f s",
+                    chosen.spec,
+                    self.uplink.rate * 8 / 1e6,
+                    self._step_s,
+                )
+                self._compression_rung = chosen.spec
+
     def _send_wanted(self, now: float) -> None:
         if not self.welcomed:
             return
+        self._tune_compression(now)
         with self._lock:
             wanted = sorted(self._wanted)
         for u in wanted:
