@@ -17,6 +17,17 @@ from common.shared_settings import (
 )
 
 
+def downlink_spec(value: str) -> str | None:
+    """The `--gateway-downlink` syntax (cloud/publication.py), checked when a config loads."""
+    from cloud.publication import downlink_ratio  # torch: not for `--help`
+
+    try:
+        downlink_ratio(value)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 @dataclass(frozen=True)
 class GatewaySettings:
     bind: str = setting("tcp://*:7878", "endpoint the edge gateway listens on", check=tcp_endpoint)
@@ -84,6 +95,16 @@ class GatewaySettings:
         "each costs one model's memory)",
         min=1,
         max=1024,
+    )
+    downlink: str = setting(
+        "topk:0.05",
+        "how models reach edges: topk:<ratio> (each version moves that share of the entries of the "
+        "public model every edge holds bit for bit, those furthest from the gateway's, and edges "
+        "fetch patches of those values) or full (every version whole)",
+        check=downlink_spec,
+    )
+    downlink_history: int = setting(
+        32, "versions a downlink patch may span; an edge further behind gets the whole model", min=1, max=4096
     )
     audit_mass: bool = setting(
         False,

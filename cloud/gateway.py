@@ -54,6 +54,7 @@ from cloud.aggregation import (
 )
 from cloud.delivery import DeliveryPace
 from cloud.durability import GatewayCheckpoints
+from cloud.publication import PublicModel
 from common.hooks import trainable_parameters
 from common.link import TokenBucket
 from common.metrics import LATENCY_BUCKETS_S, STALENESS_BUCKETS, Metrics
@@ -181,6 +182,10 @@ class GatewayOptions:
     # Per edge and layer, a float64 sum of the decoded pushes it applied (before weighting): with
     # the edge's own sums, proves compression loses nothing (tests, benchmarks).
     audit_mass: bool = False
+    # Downlink: each version moves this share of the public model's entries (those furthest from
+    # the gateway's model) and edges fetch patches (cloud/publication.py); 0: whole models.
+    downlink_ratio: float = 0.05
+    downlink_history: int = 32  # versions a patch may span; an edge further behind gets a snapshot
     max_chunk_bytes: int = 4 * 2**20  # the most one ModelChunk carries, whatever an edge asks
 
     def __post_init__(self) -> None:
@@ -357,6 +362,15 @@ class GatewayMetrics:
         )
         self.version = m.gauge("gateway_model_version", "version of the model served to edges")
         self.clients = m.gauge("gateway_clients", "clients that said hello")
+        self.public_distance = m.gauge(
+            "gateway_public_model_distance",
+            "|x_global - x_public| / |x_global|: how far the model edges hold (patched) is behind",
+        )
+        self.model_served_bytes = m.counter(
+            "gateway_model_served_bytes_total",
+            "model bytes sent to edges, by kind (snapshot or patch)",
+            ("kind",),
+        )
 
 
 class Gateway:
@@ -412,6 +426,11 @@ class Gateway:
         )
         self.acc = [self.aggregation.accumulator(p.numel()) for p in self.params]
         self._applied_mass: dict[str, list[torch.Tensor]] = {}
+        self.public = (
+            PublicModel(self.manifest, self.options.downlink_ratio, self.options.downlink_history)
+            if self.options.downlink_ratio
+            else None
+        )
         self._dense_bytes = {n: p.numel() * p.element_size() for n, p in named}
         self.delivery = DeliveryPace(sum(self._dense_bytes.values()))
         self._rates: dict[str, _Rate] = {}
@@ -783,18 +802,16 @@ class Gateway:
         self._ack(route, msg.seq, True, None, "", attempt=msg.attempt, epoch=epoch)
 
     def _on_model_request(self, route: bytes, msg: ModelRequest) -> None:
-        if msg.names:
-            unknown = [n for n in msg.names if n not in self.layer_index]
-            if unknown:
-                self._reply(route, Reject(code=Reason.UNKNOWN_LAYER.value, detail=f"no layer {unknown[0]!r}"))
-                return
-            version, params = self._published
-            layers = tuple(LayerTensor(n, Dense(params[n])) for n in msg.names)
-            self._reply(route, Model(version=version, full=False, layers=layers))
+        unknown = [n for n in msg.names if n not in self.layer_index]
+        if unknown:
+            self._reply(route, Reject(code=Reason.UNKNOWN_LAYER.value, detail=f"no layer {unknown[0]!r}"))
             return
-        version, params = self._published
-        layers = tuple(LayerTensor(n, Dense(params[n])) for n in self.names)
-        self._reply(route, Model(version=version, full=True, layers=layers))
+        with self._served_lock:
+            served = self._newest_served()  # the model edges hold (the public one), not x_global
+        params = blob.unpack(self.manifest, served.blob)
+        names = msg.names or self.names
+        layers = tuple(LayerTensor(n, Dense(params[n])) for n in names)
+        self._reply(route, Model(version=served.version, full=not msg.names, layers=layers))
 
     def _avoidable_staleness(self, state: ClientState, base_version: int, now: float) -> int:
         """Versions behind that the edge could have avoided: what admission (max_staleness) judges.
@@ -823,14 +840,35 @@ class Gateway:
                 served = newest  # forgotten: the edge starts over on the newest
             else:
                 self._served.move_to_end(served.version)  # recently fetched: kept longest
-        state.fetching, state.fetched_at = served.version, now
-        size = served.blob.numel()
+            patch = None
+            if msg.base and self.public is not None:
+                # The patch from what the edge holds, to the version asked for, else the newest.
+                patch = self.public.patch(msg.base, served.version) or self.public.patch(
+                    msg.base, newest.version
+                )
+        if patch is not None:
+            version, data_blob, digest, base = patch.version, patch.data, patch.digest, patch.base
+            model_digest = patch.model_digest
+        else:
+            version, data_blob, digest, base = served.version, served.blob, served.digest, 0
+            model_digest = served.digest
+        state.fetching, state.fetched_at = version, now
+        size = data_blob.numel()
         start = min(msg.offset, size)
         end = min(size, start + min(msg.length, self.options.max_chunk_bytes))
-        data = memoryview(served.blob.numpy()[start:end])
+        data = memoryview(data_blob.numpy()[start:end])
+        self.metrics.model_served_bytes.inc("patch" if base else "snapshot", by=len(data))
         self._reply(
             route,
-            ModelChunk(version=served.version, size=size, digest=served.digest, offset=start, data=data),
+            ModelChunk(
+                version=version,
+                size=size,
+                digest=digest,
+                offset=start,
+                data=data,
+                base=base,
+                model_digest=model_digest,
+            ),
         )
 
     def _newest_served(self) -> ServedModel:
@@ -934,8 +972,15 @@ class Gateway:
         return self._published[0]
 
     def snapshot(self) -> dict[str, torch.Tensor]:
-        """The parameters served to edges now; never modified afterwards (safe from any thread)."""
+        """The gateway's parameters as of the version served now (x_global: what to evaluate; edges
+        hold the public model, `served_digest`); never modified afterwards (safe from any thread)."""
         return self._published[1]
+
+    def served_digest(self, version: int) -> int | None:
+        """The digest of the model edges get as `version` (the public model), if still kept."""
+        with self._served_lock:
+            served = self._served.get(version)
+        return None if served is None else served.digest
 
     def publish(self, version: int) -> None:
         """Serve the model's current parameters as `version` from now on.
@@ -949,8 +994,15 @@ class Gateway:
     def _serve(self, version: int) -> tuple[int, dict[str, torch.Tensor]]:
         """Snapshot the parameters as `version`'s blob; (version, per-layer views of it)."""
         cpu = {n: p.detach().to("cpu") for n, p in zip(self.names, self.params)}
-        data = blob.pack(self.manifest, cpu)
-        served = ServedModel(version, data, blob.digest(data))
+        model = blob.pack(self.manifest, cpu)  # x_global as of `version`: what snapshot() shows
+        if self.public is not None:
+            with self._served_lock:  # hybrid: patches are built on the serving thread
+                data = self.public.advance(version, model)  # what edges hold
+                digest = self.public.digest
+            self.metrics.public_distance.set(value=self.public.distance)
+        else:
+            data, digest = model, blob.digest(model)
+        served = ServedModel(version, data, digest)
         with self._served_lock:
             self._served.pop(version, None)
             self._served[version] = served
@@ -958,7 +1010,7 @@ class Gateway:
             while len(self._served) > self.options.model_versions_kept:
                 # The least recently published or fetched, never the newest.
                 del self._served[next(v for v in self._served if v != version)]
-        return version, blob.unpack(self.manifest, data)
+        return version, blob.unpack(self.manifest, model)
 
     # ---------------------------------------------------------------------- replies
     def _ack(

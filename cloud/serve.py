@@ -47,6 +47,7 @@ from cloud.durability import GatewayCheckpoints
 from cloud.gateway import Gateway, GatewayOptions, ModelUpdate, RoundSummary
 from cloud.hybrid import EdgeMixing, EdgeRounds
 from cloud.layerwise import DivergenceError
+from cloud.publication import downlink_ratio
 from cloud.train import (
     EXIT_SYNC_FAILED,
     configure_worker_logging,
@@ -130,6 +131,8 @@ def build_gateway(
             norm_policy=g.norm_policy,
             model_versions_kept=g.model_versions_kept,
             audit_mass=g.audit_mass,
+            downlink_ratio=downlink_ratio(g.downlink),
+            downlink_history=g.downlink_history,
         ),
         weighting=weighting,
         aggregation=aggregation_named(g.aggregation, g.trim),

@@ -12,6 +12,13 @@ is gone it answers with the newest, and only then does a download start over.
 The finished blob is checked against the digest the gateway stated, then its
 values for NaN/Inf, before the training thread may adopt it.
 
+Once it holds a model, the edge asks with that version as `base`, and the gateway
+answers, where it can, with a patch instead of the whole model
+(cloud/publication.py): the new values of the entries changed since, a few
+percent of the model.  The edge sets them in a copy of the model it holds and
+checks the result against the digest of the gateway's whole model: bit for bit
+the same, or it fetches a snapshot.
+
 No socket here: the session sends what `requests` returns and hands every
 `ModelChunk` to `on_chunk`.
 """
@@ -25,7 +32,19 @@ from dataclasses import dataclass
 import numpy
 import torch
 
-from protocol import Dense, LayerTensor, Manifest, Model, ModelChunk, blob
+from protocol import (
+    Dense,
+    LayerTensor,
+    Manifest,
+    Model,
+    ModelChunk,
+    ModelPatch,
+    ProtocolError,
+    blob,
+    decode,
+    limits_for,
+)
+from protocol.payload import Sparse
 
 log = logging.getLogger("elasticfed.edge")
 
@@ -39,6 +58,9 @@ class DownloadStats:
     corrupt: int = 0  # finished blobs whose digest or values were wrong (started over)
     resumed: int = 0  # connections replaced while a download was part-way (kept what had arrived)
     reasks: int = 0  # requests asked again on the same connection (a link that loses messages)
+    patches: int = 0  # models that came as patches
+    snapshots: int = 0  # models that came whole
+    patch_failures: int = 0  # patches that did not make the gateway's model (a snapshot followed)
 
 
 class ModelDownload:
@@ -48,12 +70,20 @@ class ModelDownload:
         if chunk_bytes < 1024:
             raise ValueError(f"chunk_bytes must be at least 1024, got {chunk_bytes}")
         self.manifest = manifest
+        self.limits = limits_for(manifest)
         self.size = manifest.blob_bytes
         self.chunk_bytes = chunk_bytes
         self.chunks = max(1, math.ceil(self.size / chunk_bytes))
         self.stats = DownloadStats()
         self.version = 0  # the version being assembled (0: none yet; the gateway says which)
         self.digest = 0
+        self.base = 0  # a patch from this version is being assembled (0: a whole model)
+        self.model_digest = 0  # the whole model's digest (for a patch: of the model it makes)
+        self._sized = True  # the size is known (a patch's, only once its first chunk came)
+        # The last model assembled, bit for bit the gateway's public model of that version: the
+        # base of the next patch.  Never modified (a patch is applied to a copy).
+        self.public: torch.Tensor | None = None
+        self.public_version = 0
         self._buffer: torch.Tensor | None = None
         self._have = bytearray(self.chunks)  # 1: chunk i is in the buffer
         self._missing = self.chunks
@@ -75,9 +105,15 @@ class ModelDownload:
     def oldest_ask(self) -> float | None:
         return min(self._asked.values(), default=None)
 
-    def start(self, version: int) -> None:
-        """Begin fetching `version` (0: whichever the gateway serves newest), dropping any other."""
-        self._reset(version, 0)
+    def start(self, version: int, whole: bool = False) -> None:
+        """Begin fetching `version` (0: whichever the gateway serves newest), dropping any other;
+        as a patch from the model held, unless `whole`."""
+        base = self.public_version if self.public is not None and not whole else 0
+        self._reset(version, 0, base=base)
+
+    def forget_public(self) -> None:
+        """A new gateway instance has its own public model: what this edge holds is no base for it."""
+        self.public, self.public_version = None, 0
 
     def connection_lost(self) -> None:
         """Requests sent on a replaced connection are not answered there: ask again on the next."""
@@ -87,8 +123,11 @@ class ModelDownload:
         self._next = 0
 
     # ------------------------------------------------------------- requests
-    def requests(self, budget_bytes: int, now: float, reask_after_s: float) -> list[tuple[int, int, int]]:
-        """(version, offset, length) to ask for now, within `budget_bytes` outstanding.
+    def requests(
+        self, budget_bytes: int, now: float, reask_after_s: float
+    ) -> list[tuple[int, int, int]]:
+        """(version, offset, length) to ask for now, within `budget_bytes` outstanding (of the
+        patch from `base`, where that is not 0).
 
         A request older than `reask_after_s` is asked again (a link that loses messages
         on a live connection); over TCP the session passes infinity and relies on reconnects.
@@ -121,27 +160,36 @@ class ModelDownload:
     # --------------------------------------------------------------- chunks
     def on_chunk(self, msg: ModelChunk, now: float) -> tuple[Model | None, float | None]:
         """Keep a chunk; (the finished model or None, when the chunk was asked for or None)."""
-        if msg.size != self.size:
+        whole = self.manifest.blob_bytes
+        if (msg.base == 0 and msg.size != whole) or (
+            msg.base
+            and (msg.base != self.public_version or not 0 < msg.size <= self.limits.max_message_bytes)
+        ):
             log.warning(
-                "model chunk of version %d says the model has %d bytes; this edge's has %d: ignored",
+                "model chunk of version %d (base %d) of %d bytes does not fit this edge's model "
+                "(%d bytes, holding version %d): ignored",
                 msg.version,
+                msg.base,
                 msg.size,
-                self.size,
+                whole,
+                self.public_version,
             )
             return None, None
         if not self.active:
             return None, None  # nothing asked (a late answer after a finished download)
-        if msg.version == self.version and not self.digest:
-            self.digest = msg.digest  # the first chunk of a version asked for by number
-        elif msg.version != self.version or msg.digest != self.digest:
+        same = msg.version == self.version and msg.base == self.base and self._sized
+        if same and not self.digest:
+            self.digest, self.model_digest = msg.digest, msg.model_digest  # the first chunk asked for
+        elif not same or msg.digest != self.digest:
             if self.version and msg.version < self.version:
                 return None, None  # a late answer about an older download
-            if self.version:
+            if self.version and msg.version != self.version:
                 self.stats.restarts += 1
                 log.info(
                     "gateway no longer serves model %d: downloading %d instead", self.version, msg.version
                 )
-            self._reset(msg.version, msg.digest, keep_asked=True)
+            self._reset(msg.version, msg.digest, base=msg.base, size=msg.size, keep_asked=True)
+            self.model_digest = msg.model_digest
         i, rem = divmod(msg.offset, self.chunk_bytes)
         if rem or i >= self.chunks or len(msg.data) != self._chunk_len(i):
             log.warning(
@@ -172,8 +220,19 @@ class ModelDownload:
         if blob.digest(data) != digest:
             self.stats.corrupt += 1
             log.warning("model %d failed its digest once assembled: downloading it again", version)
-            self._reset(version, digest)
+            self._reset(version, digest, base=self.base, size=self.size)
             return None
+        if self.base:
+            patched = self._apply_patch(data)
+            if patched is None:
+                self.stats.patch_failures += 1
+                self._reset(version, 0, base=0)  # a snapshot of whichever version is newest
+                self.version = 0
+                return None
+            data = patched
+            self.stats.patches += 1
+        else:
+            self.stats.snapshots += 1
         layers = blob.unpack(self.manifest, data)
         bad = next((name for name, t in layers.items() if not bool(torch.isfinite(t).all())), None)
         if bad is not None:
@@ -182,6 +241,7 @@ class ModelDownload:
             self._buffer = None
             return None
         self._buffer = None  # the model owns it now; the next download gets a new one
+        self.public, self.public_version = data, version
         self.version = 0
         return Model(
             version=version,
@@ -189,9 +249,47 @@ class ModelDownload:
             layers=tuple(LayerTensor(spec.name, Dense(layers[spec.name])) for spec in self.manifest),
         )
 
-    def _reset(self, version: int, digest: int, keep_asked: bool = False) -> None:
+    def _apply_patch(self, data: torch.Tensor) -> torch.Tensor | None:
+        """The held model with the patch's values set, if it makes the gateway's model; else None."""
+        assert self.public is not None
+        try:
+            frames = blob.unframe(data, self.limits.max_frames)
+            patch = decode(frames, limits=self.limits, manifest=self.manifest)
+        except (ValueError, ProtocolError) as exc:
+            log.warning("patch to model %d is malformed (%s): fetching the whole model", self.version, exc)
+            return None
+        if not isinstance(patch, ModelPatch) or (patch.base, patch.version) != (self.base, self.version):
+            log.warning(
+                "patch to model %d does not say what it patches: fetching the whole model", self.version
+            )
+            return None
+        out = self.public.clone()
+        views = blob.unpack(self.manifest, out)
+        for layer in patch.layers:
+            payload, flat = layer.payload, views[layer.name].view(-1)
+            if isinstance(payload, Sparse):
+                flat[payload.indices()] = payload.values.to_dense().to(flat.dtype)
+            else:
+                flat.copy_(payload.tensor.reshape(-1))
+        if blob.digest(out) != self.model_digest:
+            log.warning(
+                "model %d patched from %d differs from the gateway's: fetching the whole model",
+                self.version,
+                self.base,
+            )
+            return None
+        return out
+
+    def _reset(
+        self, version: int, digest: int, base: int = 0, size: int = 0, keep_asked: bool = False
+    ) -> None:
         self.version = version
         self.digest = digest
+        self.base = base
+        # A patch's size is known once its first chunk came: until then, one chunk is asked for.
+        self._sized = not base or bool(size)
+        self.size = size or (self.manifest.blob_bytes if not base else self.chunk_bytes)
+        self.chunks = max(1, math.ceil(self.size / self.chunk_bytes))
         self._buffer = torch.empty(self.size, dtype=torch.uint8)
         self._have = bytearray(self.chunks)
         self._missing = self.chunks

@@ -973,6 +973,9 @@ class EdgeSession:
                     if flight.outstanding:
                         self._mark_weak(u, flight)
                     flight.attempts = 0
+        if new_instance:
+            # Its public model is its own: what this edge holds is no base for its patches.
+            self.download.forget_public()
         if new_instance and msg.model_version != self.have_version:
             # A restarted gateway may be behind us: its model is the one that counts.
             self.announced = msg.model_version
@@ -1154,7 +1157,7 @@ class EdgeSession:
         if not self.download.active:
             if self.announced <= self.have_version and not self._refetching:
                 return
-            self.download.start(self.announced)
+            self.download.start(self.announced, whole=self._refetching)
         # Asked for now, answered once the request got past what is queued on the uplink: enough
         # to keep the downlink busy until the next chance to ask (see the order in _tick), twice
         # over.  The rate is measured from these very requests, whose wait on the uplink it
@@ -1181,8 +1184,9 @@ class EdgeSession:
                 # probe, asked again on the push timer, doubling each time up to the guess's.
                 budget = self.download.chunk_bytes
                 reask = min(reask, self.resend_s * 2.0 ** min(self.download.stats.reasks, 20))
+        base = self.download.base  # a patch from the model held, or 0: the whole model
         for version, offset, length in self.download.requests(budget, now, reask):
-            self._send(encode(ModelFetch(version=version, offset=offset, length=length)), now)
+            self._send(encode(ModelFetch(version=version, offset=offset, length=length, base=base)), now)
 
     def _on_chunk(self, msg: ModelChunk, now: float) -> None:
         restarts = self.download.stats.restarts + self.download.stats.corrupt

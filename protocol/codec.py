@@ -366,7 +366,12 @@ class _LayerReader:
         if enc not in self.limits.encodings:
             raise ProtocolError(Reason.ENCODING, f"{where}: encoding {enc} is not accepted here")
         if not kind.with_count and enc != "dense":
-            raise ProtocolError(Reason.ENCODING, f"{where}: parameters must be dense, not {enc}")
+            patch_values = kind.sparse and enc == "sparse" and desc.get("values") == "float"
+            if not patch_values:
+                raise ProtocolError(
+                    Reason.ENCODING,
+                    f"{where}: parameters must be dense (or sparse float values in a patch), not {enc}",
+                )
         allowed = _COMMON_KEYS | _ENC_KEYS[enc] | ({"count"} if kind.with_count else frozenset())
         if enc == "sparse" and desc.get("values") == "int8":
             allowed |= {"chunk"}

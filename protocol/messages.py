@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 from protocol.errors import ProtocolError, Reason
 from protocol.manifest import Manifest
-from protocol.payload import Dense, Payload
+from protocol.payload import Dense, Payload, Sparse
 
 PROTOCOL_VERSION = 1
 UINT_MAX = 2**63 - 1
@@ -155,10 +155,15 @@ class DurableList(Kind):
 
 
 class Layers(Kind):
-    """Tensor-carrying field; the codec turns it into descriptors plus frames."""
+    """Tensor-carrying field; the codec turns it into descriptors plus frames.
 
-    def __init__(self, with_count: bool) -> None:
+    Gradients (`with_count`) may travel in any encoding; parameters only dense, or, in a
+    patch (`sparse`), as sparse new values of some entries.
+    """
+
+    def __init__(self, with_count: bool, sparse: bool = False) -> None:
         self.with_count = with_count
+        self.sparse = sparse
 
 
 class Blob(Kind):
@@ -182,6 +187,7 @@ ID = Str(256)
 CODE = Str(64)
 VERDICTS = VerdictList()
 GRADIENTS, PARAMETERS = Layers(with_count=True), Layers(with_count=False)
+PATCH_VALUES = Layers(with_count=False, sparse=True)
 BLOB = Blob()
 
 
@@ -201,10 +207,10 @@ class LayerGradient:
 
 @dataclass(frozen=True)
 class LayerTensor:
-    """A layer's parameter values, as in a model announcement."""
+    """A layer's parameter values, as in a model announcement (sparse: some entries, in a patch)."""
 
     name: str
-    payload: Dense
+    payload: Dense | Sparse
 
 
 class Message:
@@ -329,13 +335,16 @@ class ModelFetch(Message):
     The blob is every parameter in manifest order (`Manifest.blob_layout`).  Large models
     come down as many small answers the edge asks for a few at a time, so nothing else it
     waits for (an ack, a heartbeat reply) queues behind megabytes, and a download that a
-    reconnect interrupts goes on from the chunks it already holds.
+    reconnect interrupts goes on from the chunks it already holds.  With `base`, the edge
+    holds that version bit for bit and asks for the patch from it (a `ModelPatch` blob)
+    instead, if the gateway has one.
     """
 
     TYPE: ClassVar[str] = "model_fetch"
     version: int = wire(UINT)
     offset: int = wire(UINT)
     length: int = wire(UINT)
+    base: int = wire(UINT, default=0)
 
 
 @dataclass(frozen=True)
@@ -343,7 +352,8 @@ class ModelChunk(Message):
     """Gateway -> edge: a slice of model `version`'s blob of `size` bytes whose xxh3-64 is `digest`.
 
     `version` may differ from the one asked for: the gateway no longer serves that one, and
-    the edge starts over on this one.
+    the edge starts over on this one.  With `base`, the blob is the patch from `base` to
+    `version`, and `model_digest` the digest of the whole model it makes.
     """
 
     TYPE: ClassVar[str] = "model_chunk"
@@ -352,6 +362,23 @@ class ModelChunk(Message):
     digest: int = wire(UINT64)
     offset: int = wire(UINT)
     data: memoryview = wire(BLOB)
+    base: int = wire(UINT, default=0)
+    model_digest: int = wire(UINT64, default=0)
+
+
+@dataclass(frozen=True)
+class ModelPatch(Message):
+    """What turns model `base` into model `version`: the new values of the entries that changed.
+
+    Never sent alone: it is the blob `ModelChunk`s carry when asked with a base.  New
+    values, not differences: setting them gives the gateway's public model bit for bit,
+    where adding a difference could round differently on the edge's hardware.
+    """
+
+    TYPE: ClassVar[str] = "model_patch"
+    base: int = wire(UINT)
+    version: int = wire(UINT)
+    layers: tuple[LayerTensor, ...] = wire(PATCH_VALUES)
 
 
 @dataclass(frozen=True)
@@ -390,6 +417,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         Model,
         ModelFetch,
         ModelChunk,
+        ModelPatch,
         Heartbeat,
         Reject,
     )
