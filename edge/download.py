@@ -123,9 +123,7 @@ class ModelDownload:
         self._next = 0
 
     # ------------------------------------------------------------- requests
-    def requests(
-        self, budget_bytes: int, now: float, reask_after_s: float
-    ) -> list[tuple[int, int, int]]:
+    def requests(self, budget_bytes: int, now: float, reask_after_s: float) -> list[tuple[int, int, int]]:
         """(version, offset, length) to ask for now, within `budget_bytes` outstanding (of the
         patch from `base`, where that is not 0).
 
