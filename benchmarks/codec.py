@@ -2,7 +2,10 @@
 
 Figures: one 4 MiB fp32 layer, and one push of 100 small 4 KiB layers.  The
 reference is libc memcpy of the same bytes, timed in the same run, alternating
-with the codec so machine noise hits both.  Last line: one JSON object.
+with the codec so machine noise hits both.  Then the gateway's CPU cost of a
+push per dense-equivalent MB for each uplink compression an edge may send
+(`gateway_ms_per_dense_mb`): decode with every check, expand to dense, add into
+a round's accumulator, as `Gateway._on_push` does.  Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -16,7 +19,11 @@ import time
 import numpy as np
 import torch
 
+from cloud.aggregation import LayerAccumulator
+from edge.compression import UplinkCompression
 from protocol import Dense, LayerGradient, Manifest, Push, decode, encode
+
+EDGE_SPECS = ("none", "fp16", "int8", "topk:0.01", "topk:0.01+int8")
 
 
 def _address(buf: memoryview) -> int:
@@ -85,6 +92,23 @@ def main() -> None:
         layer.payload.tensor.data_ptr() != _address(f) for layer, f in zip(decoded.layers, frames[1:])
     ) / len(tensors)
 
+    gateway_ms = {}
+    for spec in EDGE_SPECS:
+        compression = UplinkCompression.parse(spec)
+        payload = Dense(big) if compression is None else compression.encode(big, tuple(big.shape))
+        frames = [bytes(memoryview(f).cast("B")) for f in encode(
+            Push(seq=3, base_version=0, layers=(LayerGradient("big", payload, 1),))
+        )]  # fmt: skip
+        acc = LayerAccumulator(big.numel())
+
+        def gateway_push(frames: list[bytes] = frames, acc: LayerAccumulator = acc) -> None:
+            msg = decode(frames, manifest=manifest)
+            for layer in msg.layers:
+                acc.add("edge", layer.payload.to_dense(), layer.count, 1.0)
+
+        seconds = statistics.median(_time(gateway_push, opts.repeat) for _ in range(max(1, opts.rounds // 3)))
+        gateway_ms[spec] = round(seconds * 1e3 / (big.numel() * 4 / 1e6), 3)
+
     nbytes = big.numel() * 4
     t_codec, t_copy = statistics.median(codec_s), statistics.median(memcpy_s)
     t_small, t_small_copy = statistics.median(small_s), statistics.median(small_copy_s)
@@ -98,6 +122,8 @@ def main() -> None:
         "copies_per_payload": encode_copies,
         "decode_copies_per_payload": decode_copies,
         "torch_threads": torch.get_num_threads(),
+        "gateway_ms_per_dense_mb": gateway_ms,
+        "memcpy_ms_per_mb": round(t_copy * 1e3 / (nbytes / 1e6), 3),
     }
     print(f"{'case':34s} {'codec':>12s} {'memcpy':>12s}")
     gbps, copy_gbps = result["encode_decode_gbps_4mib"], result["memcpy_gbps"]
@@ -108,6 +134,9 @@ def main() -> None:
     )
     print(f"ratio vs memcpy (4 MiB): {result['ratio_vs_memcpy']}")
     print(f"copies per payload: encode {encode_copies}, decode {decode_copies}")
+    print("gateway CPU per dense-equivalent MB (decode, checks, to dense, accumulate):")
+    for spec, ms in gateway_ms.items():
+        print(f"  {spec:16s} {ms:8.3f} ms")
     print(json.dumps(result))
 
 

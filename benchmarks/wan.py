@@ -70,14 +70,18 @@ from cloud.admission import CurveAdmission  # noqa: E402
 from cloud.config import CloudConfig  # noqa: E402
 from cloud.durability import GatewayCheckpoints  # noqa: E402
 from cloud.serve import build_gateway, round_logger  # noqa: E402
+from common.checkpoint import CheckpointError  # noqa: E402
 from common.keys import KeyFolder, generate  # noqa: E402
 from common.task import Task, load_task  # noqa: E402
+from edge.persistence import MASS_AUDIT_FILE, read_mass_audit  # noqa: E402
 
 BASE_TASK = "common.tasks.stdlib_lm:base_task"  # `stdlib-lm-base`
 SMALL_TASK = "common.tasks.stdlib_lm:task"  # `stdlib-lm`
 STARTUP_LIMIT_S = 180.0  # workers not ready by then are not waited for
 EXIT_WAIT_S = 90.0  # after SIGTERM, beyond the edges' own drain time (30 s by default)
 TARGET_FACTOR = 1.10
+DENSE_TARGET_FACTOR = 1.05  # target_bpb_dense: the uncapped dense run's final x this
+MASS_TOLERANCE = 1e-5  # relative to the largest produced entry: float32 sums of many steps
 State = dict[str, torch.Tensor]
 
 
@@ -241,10 +245,13 @@ def shape(net: EdgeNet, rate: str | None, loss: int) -> None:
 def run_elasticfed(
     name: str, spec: str, task: Task, edges: int, budget_s: float, rate: str | None, loss: int,
     eval_every_s: float, work: Path, secure: bool, edge_flags: tuple[str, ...] = (),
+    gateway_settings: dict[str, Any] | None = None,
 ) -> Contender:  # fmt: skip
-    """Gateway (user defaults) in this process, edges in namespaces; snapshots of the served model.
+    """Gateway (user defaults) in this process, edges in namespaces; snapshots of the gateway's model.
 
-    `edge_flags` go to every edge (e.g. `--compression none` for the dense contenders)."""
+    `edge_flags` go to every edge and `gateway_settings` replace the gateway's defaults (the dense
+    contenders: `--compression none` and `downlink="full"`).  Every run keeps the mass audit on
+    both sides (edges write theirs at exit; an instrument, not a behaviour)."""
     work.mkdir(parents=True)
     result = Contender(name, _link(rate, loss))
     began = time.monotonic()
@@ -273,6 +280,8 @@ def run_elasticfed(
                 defaults.gateway,
                 bind=f"tcp://{lab.gateway_address}:0",
                 checkpoint_dir=str(work / "gateway-checkpoints"),
+                audit_mass=True,
+                **(gateway_settings or {}),
             ),
         )
         g = config.gateway
@@ -296,12 +305,14 @@ def run_elasticfed(
                 "--train-partition", "iid",
                 "--state-dir", str(work / f"edge-{i}-state"),
                 *security[i],
+                "--audit-mass",
                 *edge_flags,
             ]  # fmt: skip
             workers.append(Worker(f"edge-{i}", net.argv(argv), work / f"edge-{i}.log"))
         t0 = wait_started(workers, STARTUP_LIMIT_S)
         result.points.append(Point(0.0, gateway.served_version, gateway.snapshot()))
         next_eval = eval_every_s
+        distance = 0.0  # the most x_public trailed x_global, relatively (downlink patches)
         while True:
             now = time.monotonic() - t0
             if now >= budget_s or all(w.proc.poll() is not None for w in workers):
@@ -309,6 +320,8 @@ def run_elasticfed(
             if now >= next_eval:
                 result.points.append(Point(now, gateway.served_version, gateway.snapshot()))
                 next_eval += eval_every_s
+            if gateway.public is not None:
+                distance = max(distance, gateway.public.distance)
             time.sleep(0.05)
         result.points.append(Point(time.monotonic() - t0, gateway.served_version, gateway.snapshot()))
         stopped_at = time.monotonic()
@@ -338,6 +351,14 @@ def run_elasticfed(
             audit &= w.summary is not None
             up, down = link_bytes(net)
             life = (w.exited_at or exited) - (w.started_at or exited)
+            mass_error = mass_audit(gateway, w.name, work / f"edge-{w.name.split('-')[-1]}-state")
+            held_model = s.get("model_held")
+            bit_identical = (
+                isinstance(held_model, list)
+                and len(held_model) == 2
+                and gateway.served_digest(int(held_model[0])) == int(held_model[1])
+            )
+            download = s.get("download", {})
             result.rows.append(
                 {
                     "name": w.name,
@@ -357,11 +378,24 @@ def run_elasticfed(
                     "downlink_bytes": down,
                     "packets_dropped": dropped_packets(net),
                     "exit": code,
+                    "compression": s.get("compression", "?"),
+                    "units": int(s.get("units", 0)),
+                    "pushes": int(s.get("edge_pushes_total", 0)),
+                    "push_bytes": int(s.get("edge_sent_bytes_total", 0)),
+                    "patches": int(download.get("patches", 0)),
+                    "snapshots": int(download.get("snapshots", 0)),
+                    "patch_failures": int(download.get("patch_failures", 0)),
+                    "model_bit_identical": bit_identical,
+                    "mass_error": mass_error,
                 }
             )
         result.audit_ok = bool(audit)
+        served = status["metrics"].get("gateway_model_served_bytes_total", {})
         result.figures = {
             "versions": gateway.version,
+            "model_bytes": gateway.manifest.blob_bytes,
+            "model_served_bytes": int(sum(served.values())),
+            "public_distance_max": round(distance, 4) if gateway.public is not None else None,
             "drain_s": round(exited - stopped_at, 1),
             "duplicates": int(sum(status["metrics"].get("gateway_duplicates_total", {}).values())),
         }
@@ -375,6 +409,29 @@ def run_elasticfed(
         handler.close()
     result.wall_s = round(time.monotonic() - began, 1)
     return result
+
+
+def mass_audit(gateway: Any, client: str, state_dir: Path) -> float | None:
+    """The mass audit's worst relative error over the edge's units (None: no audit file).
+
+    Per unit: produced == applied by the gateway + dropped + residual + pending (+ the unit's
+    flight, if the gateway did not apply it: an edge stopped with a push unanswered cannot know
+    which, so the smaller of the two errors counts).  Relative to the largest produced entry."""
+    try:
+        units = read_mass_audit(state_dir / MASS_AUDIT_FILE)
+    except (OSError, CheckpointError):
+        return None
+    applied = gateway.applied_mass(client)
+    worst = 0.0
+    for names, mass in units:
+        if not all(n in applied for n in names):
+            return None
+        total = torch.cat([applied[n] for n in names]) + mass["dropped"] + mass["residual"] + mass["pending"]
+        scale = float(mass["produced"].abs().max()) or 1.0
+        without = float((total - mass["produced"]).abs().max())
+        with_flight = float((total + mass["flight"] - mass["produced"]).abs().max())
+        worst = max(worst, min(without, with_flight) / scale)
+    return worst
 
 
 # ------------------------------------------------------------------------------ FedAvg
@@ -565,13 +622,13 @@ def plot(runs: list[Contender], target: float, path: Path, title: str) -> str | 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--quick", action="store_true", help="small task, 2 edges, 60 s budgets (a test)")
+    parser.add_argument("--quick", action="store_true", help="small task, 2 edges, 40 s budgets (a test)")
     parser.add_argument("--task", default=None, help=f"task spec (default {BASE_TASK}; quick: {SMALL_TASK})")
     parser.add_argument(
         "--edges", type=int, default=None, help="edges / FedAvg clients (default 4; quick: 2)"
     )
     parser.add_argument(
-        "--time-s", type=float, default=None, help="wall budget of each contender (default 240; quick: 60)"
+        "--time-s", type=float, default=None, help="wall budget of each contender (default 180; quick: 40)"
     )
     parser.add_argument("--rate", default="10mbit", help="tbf rate cap of each edge's link, each way")
     parser.add_argument("--loss", type=int, default=2, help="packet loss of each edge's link, %% each way")
@@ -584,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     spec = args.task or (SMALL_TASK if args.quick else BASE_TASK)
     edges = args.edges or (2 if args.quick else 4)
-    budget = args.time_s or (60.0 if args.quick else 240.0)
+    budget = args.time_s or (40.0 if args.quick else 180.0)
     eval_every = args.eval_every_s or budget / 8
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -606,13 +663,20 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     runs: list[Contender] = []
+    dense_edge, dense_gateway = ("--compression", "none"), {"downlink": "full"}
+
+    def elasticfed(name: str, folder: str, capped: bool, dense: bool) -> Contender:
+        return run_elasticfed(
+            name, spec, task, edges, budget, args.rate if capped else None, args.loss if capped else 0,
+            eval_every, work / folder, not args.insecure, dense_edge if dense else (),
+            dense_gateway if dense else None,
+        )  # fmt: skip
+
     plan = [
-        ("elasticfed uncapped", lambda: run_elasticfed(
-            "elasticfed uncapped", spec, task, edges, budget, None, 0, eval_every, work / "uncapped",
-            not args.insecure)),
-        ("elasticfed capped", lambda: run_elasticfed(
-            "elasticfed capped", spec, task, edges, budget, args.rate, args.loss, eval_every,
-            work / "capped", not args.insecure)),
+        ("elasticfed uncapped", lambda: elasticfed("elasticfed uncapped", "u", False, False)),
+        ("elasticfed uncapped dense", lambda: elasticfed("elasticfed uncapped dense", "ud", False, True)),
+        ("elasticfed capped", lambda: elasticfed("elasticfed capped", "c", True, False)),
+        ("elasticfed capped dense", lambda: elasticfed("elasticfed capped dense", "cd", True, True)),
         ("fedavg capped", lambda: run_fedavg(
             "fedavg capped", spec, task, edges, budget, args.rate, args.loss, args.fedavg_local_steps,
             work / "fedavg", args.seed)),
@@ -632,7 +696,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{'rounds' if name.startswith('fedavg') else 'versions'}, {contender.wall_s:.0f} s wall{audit}",
             flush=True,
         )
-    uncapped, capped, fedavg = runs
+    uncapped, uncapped_dense, capped, capped_dense, fedavg = runs
     initial = capped.points[0].bpb
     target = uncapped.final() * TARGET_FACTOR
     ours_t = capped.time_to(target, budget)
@@ -642,6 +706,13 @@ def main(argv: list[str] | None = None) -> int:
     ours_budget = ours_t if ours_t is not None else budget
     fedavg_budget = fedavg_t if fedavg_t is not None else budget
     ratio = fedavg_budget / ours_budget if ours_budget > 0 else 1.0
+    # The compression figures, against the dense reference (DESIGN section 9; issue 19's keys).
+    target_dense = uncapped_dense.final() * DENSE_TARGET_FACTOR
+    compressed_t = capped.time_to(target_dense, budget)
+    compressed_budget = compressed_t if compressed_t is not None else budget
+    dense_capped_t = capped_dense.time_to(target_dense, budget)
+    dense_uncapped_t = uncapped_dense.time_to(target_dense, budget)
+    fedavg_dense_t = fedavg.time_to(target_dense, budget)
 
     csv_path = out_dir / "wan.csv"
     with open(csv_path, "w", newline="") as f:
@@ -682,7 +753,53 @@ def main(argv: list[str] | None = None) -> int:
         "capped_versions": capped.figures["versions"],
         "uncapped_versions": uncapped.figures["versions"],
         "uncapped_models_per_edge_per_min": figures_of(uncapped)["models_per_edge_per_min"],
-        "audit_exact": bool(uncapped.audit_ok and capped.audit_ok),
+        "audit_exact": all(bool(r.audit_ok) for r in runs if r.audit_ok is not None),
+        # Compression (uplink) and patches (downlink) against dense fp32 and whole models:
+        "target_bpb_dense": round(target_dense, 4),
+        "uncapped_dense_final_bpb": round(uncapped_dense.final(), 4),
+        "capped_dense_final_bpb": round(capped_dense.final(), 4),
+        "uplink_bytes_ratio": uplink_ratio(capped),
+        "downlink_bytes_ratio": downlink_ratio(capped, edges),
+        "capped_dense_downlink_bytes_ratio": downlink_ratio(capped_dense, edges),
+        "compressed_reached_target": compressed_t is not None,
+        "compressed_time_to_target_s": _round(compressed_t),
+        "dense_capped_time_to_target_s": _round(dense_capped_t),
+        "dense_uncapped_time_to_target_s": _round(dense_uncapped_t),
+        "time_to_target_speedup": round(
+            (dense_capped_t if dense_capped_t is not None else budget) / compressed_budget, 3
+        )
+        if compressed_budget > 0
+        else 1.0,
+        "capped_vs_uncapped_ratio": round(compressed_budget / dense_uncapped_t, 3)
+        if dense_uncapped_t
+        else None,
+        "bpb_gap": bpb_gap(uncapped, uncapped_dense),
+        "fedavg_vs_compressed_ratio": round(
+            (fedavg_dense_t if fedavg_dense_t is not None else budget) / compressed_budget, 3
+        )
+        if compressed_budget > 0
+        else 1.0,
+        "compression_used": sorted({r["compression"] for r in capped.rows}),
+        "public_distance_max": capped.figures["public_distance_max"],
+        "downlink_bit_identical": all(
+            r["model_bit_identical"] for run in (capped, uncapped) for r in run.rows
+        ),
+        "mass_audit_exact": all(
+            r["mass_error"] is not None and r["mass_error"] < MASS_TOLERANCE
+            for run in runs
+            if run.audit_ok is not None
+            for r in run.rows
+        ),
+        "mass_audit_worst": max(
+            (
+                r["mass_error"]
+                for run in runs
+                if run.audit_ok is not None
+                for r in run.rows
+                if r["mass_error"] is not None
+            ),
+            default=None,
+        ),
         "capped_uplink_mb_per_edge": round(sum(r["uplink_bytes"] for r in capped.rows) / edges / 1e6, 2),
         "capped_downlink_mb_per_edge": round(sum(r["downlink_bytes"] for r in capped.rows) / edges / 1e6, 2),
         "fedavg_uplink_mb_per_edge": round(sum(r["uplink_bytes"] for r in fedavg.rows) / edges / 1e6, 2),
@@ -697,6 +814,46 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(_finite(result)), flush=True)
     return 0
+
+
+def uplink_ratio(run: Contender) -> float | None:
+    """The model's dense fp32 size / the mean payload bytes of a whole-model push (a push carries
+    one unit, re-sends included: bytes that went on the wire)."""
+    dense = run.figures["model_bytes"]
+    whole_pushes = sum(r["pushes"] / r["units"] for r in run.rows if r["units"])
+    sent = sum(r["push_bytes"] for r in run.rows)
+    return round(dense * whole_pushes / sent, 2) if sent else None
+
+
+def downlink_ratio(run: Contender, edges: int) -> float | None:
+    """The model's fp32 size / the mean model bytes the gateway sent per version per edge
+    (patches, and snapshots to edges that start or lag)."""
+    served = run.figures["model_served_bytes"]
+    versions = max(1, run.figures["versions"])
+    return round(run.figures["model_bytes"] * versions * edges / served, 2) if served else None
+
+
+def bpb_gap(compressed: Contender, dense: Contender) -> float | None:
+    """(compressed - dense) / dense bits per byte at the same local steps per edge: the fewer of the
+    two runs' mean steps, each run's figure interpolated on its points (steps taken as even in time)."""
+
+    def steps_at(run: Contender) -> tuple[float, list[tuple[float, float]]]:
+        rate = sum(r["steps"] / r["train_s"] for r in run.rows if r["train_s"] > 0) / max(1, len(run.rows))
+        total = sum(r["steps"] for r in run.rows) / max(1, len(run.rows))
+        return total, [(p.seconds * rate, p.bpb) for p in run.points]
+
+    def at(curve: list[tuple[float, float]], steps: float) -> float:
+        for (s0, b0), (s1, b1) in zip(curve, curve[1:]):
+            if s0 <= steps <= s1:
+                return b0 if s1 == s0 else b0 + (b1 - b0) * (steps - s0) / (s1 - s0)
+        return curve[-1][1]
+
+    (n_c, curve_c), (n_d, curve_d) = steps_at(compressed), steps_at(dense)
+    steps = min(n_c, n_d)
+    if steps <= 0:
+        return None
+    d = at(curve_d, steps)
+    return round((at(curve_c, steps) - d) / d, 4) if d else None
 
 
 def _finite(value: Any) -> Any:

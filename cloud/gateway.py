@@ -980,7 +980,9 @@ class Gateway:
         """The digest of the model edges get as `version` (the public model), if still kept."""
         with self._served_lock:
             served = self._served.get(version)
-        return None if served is None else served.digest
+            if served is not None:
+                return served.digest
+            return self.public.digests.get(version) if self.public is not None else None
 
     def publish(self, version: int) -> None:
         """Serve the model's current parameters as `version` from now on.

@@ -28,6 +28,7 @@ from protocol import LayerTensor, Manifest, ModelPatch, blob, encode
 from protocol.payload import Dense, Sparse
 
 PATCHES_KEPT = 16  # built patches kept for the edges that ask for the same one
+DIGESTS_KEPT = 4096  # recent versions' digests: what an edge holding one must have (audits)
 
 
 def downlink_ratio(spec: str) -> float:
@@ -70,6 +71,7 @@ class PublicModel:
         self.blob: torch.Tensor | None = None
         self.digest = 0
         self.distance = 0.0  # |x_global - x_public| / |x_global| after the last advance
+        self.digests: OrderedDict[int, int] = OrderedDict()  # version -> digest of x_public then
         self._changes: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
         self._floor = 0  # the oldest version a patch may start from (its successors' changes are kept)
         self._patches: OrderedDict[tuple[int, int], Patch | None] = OrderedDict()  # None: too large
@@ -102,6 +104,9 @@ class PublicModel:
             self.blob = new
             gap = math.sqrt(gap / total) if total > 0 else 0.0
         self.version, self.digest, self.distance = version, blob.digest(self.blob), gap
+        self.digests[version] = self.digest
+        while len(self.digests) > DIGESTS_KEPT:
+            self.digests.popitem(last=False)
         if changes is None:
             self._changes.clear()
             self._floor = version  # nothing before this version can be patched

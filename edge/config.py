@@ -102,6 +102,12 @@ class EdgeConfig:
         "push leaves out enters the next",
         check=uplink_compression_spec,
     )
+    audit_mass: bool = setting(
+        False,
+        "keep float64 sums of every step-gradient produced and of what the edge still holds, and write "
+        "them to <state-dir>/mass-audit at exit: with the gateway's audit_mass, proves compression "
+        "loses nothing (benchmarks; costs two model copies of memory)",
+    )
     state_dir: str = setting(
         ".elasticfed/edge", "where the gradient cache and sequence numbers survive restarts (empty: nowhere)"
     )

@@ -111,6 +111,10 @@ class ModelDownload:
         base = self.public_version if self.public is not None and not whole else 0
         self._reset(version, 0, base=base)
 
+    def held(self) -> tuple[int, int] | None:
+        """(version, digest) of the model last assembled: the gateway's public model of that version."""
+        return None if self.public is None else (self.public_version, blob.digest(self.public))
+
     def forget_public(self) -> None:
         """A new gateway instance has its own public model: what this edge holds is no base for it."""
         self.public, self.public_version = None, 0

@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from common.checkpoint import CheckpointError, CheckpointStore, read_tensors
-from edge.cache import MAX_HELD, Flight, Held
+from common.checkpoint import CheckpointError, CheckpointStore, read_tensors, write_tensors
+from edge.cache import MAX_HELD, Flight, GradientCache, Held
 from protocol import LayerGradient, ProtocolError, Push, decode, encode, limits_for
 from protocol.payload import payload_bytes
 
@@ -331,3 +331,37 @@ def import_state(
     session._flights = dict(sorted(flights.items()))
     # Saved pending sums go out once a gateway welcomes us, without waiting for new steps.
     session._wanted.update(p.index for p, plan in zip(cache.units, plans) if plan["pending_count"])
+
+
+MASS_KIND = "elasticfed-edge-mass-audit"
+MASS_AUDIT_FILE = "mass-audit.safetensors"  # in the state folder, written at exit
+MASS_PARTS = ("produced", "dropped", "residual", "pending", "flight")
+
+
+def write_mass_audit(cache: GradientCache, path: Path) -> None:
+    """The cache's mass audit (`GradientCache(audit=True)`) as a file: per unit, its layers' names
+    and the float64 sums by where they are, for a check against the gateway's `applied_mass`."""
+    tensors: dict[str, torch.Tensor] = {}
+    for u in range(len(cache.units)):
+        for part, tensor in cache.mass(u).items():
+            tensors[f"{u}.{part}"] = tensor
+    meta = {"units": [list(unit.names) for unit in cache.units]}
+    write_tensors(path, tensors, meta, MASS_KIND)
+
+
+def read_mass_audit(path: Path) -> list[tuple[list[str], dict[str, torch.Tensor]]]:
+    """Per unit (its layers' names, {part: float64 sums}) from `write_mass_audit`'s file."""
+    tensors, meta = read_tensors(path, MASS_KIND)
+    units = meta.get("units")
+    if not isinstance(units, list) or not all(
+        isinstance(names, list) and all(isinstance(n, str) for n in names) for names in units
+    ):
+        raise CheckpointError(f"{path}: 'units' must be a list of lists of layer names")
+    out = []
+    for u, names in enumerate(units):
+        parts = {part: tensors.get(f"{u}.{part}") for part in MASS_PARTS}
+        missing = [part for part, t in parts.items() if t is None]
+        if missing:
+            raise CheckpointError(f"{path}: unit {u} has no {', '.join(missing)} sums")
+        out.append((names, {part: t for part, t in parts.items() if t is not None}))
+    return out

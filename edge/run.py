@@ -22,6 +22,7 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from common.progress import ProgressBar
 from common.task import TaskError, load_task, shard
 from edge.agent import ElasticEdge
 from edge.config import EdgeConfig
+from edge.persistence import MASS_AUDIT_FILE, write_mass_audit
 from edge.session import EdgeRefused, SessionOptions
 from edge.thermal import NoThermalZones, ThermalGuard
 
@@ -82,6 +84,15 @@ def session_options(
 
 def _emit(event: str, **fields: Any) -> None:
     print(json.dumps({"event": event, **fields}, default=str), flush=True)
+
+
+def _compression_now(agent: ElasticEdge) -> str:
+    """The spec, and for `auto` the rung it is on (e.g. `auto:int8`)."""
+    compression = agent.cache.compression
+    if compression is None:
+        return "none"
+    current = getattr(compression, "current", None)
+    return compression.spec if current is None else f"{compression.spec}:{current.spec}"
 
 
 def _totals(status: dict[str, Any]) -> dict[str, Any]:
@@ -134,6 +145,9 @@ def run(args: argparse.Namespace, config: EdgeConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     configure_logging(config.log_level, config.log_format, role="edge")
+    if config.audit_mass and not config.state_dir:
+        print("elasticfed edge: error: --audit-mass writes to --state-dir, which is empty", file=sys.stderr)
+        return 2
     try:
         curve = load_curve(config)
     except KeyFileError as exc:
@@ -180,6 +194,7 @@ def run(args: argparse.Namespace, config: EdgeConfig) -> int:
             sync_every=config.sync_every,
             pack_cap_bytes=config.pack_cap_kib * 1024,
             compression=config.compression,
+            audit=config.audit_mass,
         )
     except (OSError, CheckpointError) as exc:
         print(f"elasticfed edge: error: --state-dir {config.state_dir}: {exc}", file=sys.stderr)
@@ -293,6 +308,11 @@ def _train(
     trained = time.monotonic() - started
     delivered_all = agent.close(drain_s=config.drain_s)
     status = agent.status()
+    if config.audit_mass:
+        try:
+            write_mass_audit(agent.cache, Path(config.state_dir) / MASS_AUDIT_FILE)
+        except OSError as exc:
+            log.error("could not write the mass audit to --state-dir %s: %s", config.state_dir, exc)
     _emit(
         "summary",
         client=client_id,
@@ -317,6 +337,9 @@ def _train(
         link_up=status.get("link_up"),
         link_down=status.get("link_down"),
         models_adopted=agent.models_adopted,
+        units=len(agent.cache.units),
+        compression=_compression_now(agent),
+        model_held=agent.session.download.held(),
         **_totals(status),
     )
     return 0 if delivered_all else 5

@@ -28,6 +28,9 @@ def test_codec_benchmark_reports_its_figures() -> None:
     # Zero copies is a property, not a speed: it holds on any machine.
     assert figures["copies_per_payload"] == 0
     assert figures["decode_copies_per_payload"] == 0
+    costs = figures["gateway_ms_per_dense_mb"]
+    assert set(costs) == {"none", "fp16", "int8", "topk:0.01", "topk:0.01+int8"}
+    assert all(ms > 0 for ms in costs.values()), costs
 
 
 @pytest.mark.slow
@@ -143,18 +146,36 @@ def test_wan_benchmark_quick_reports_consistent_figures(tmp_path: Path) -> None:
     ours_or_budget = budget if ours is None else ours
     expected = (budget if theirs is None else theirs) / ours_or_budget if ours_or_budget > 0 else 1.0
     assert figures["fedavg_time_to_target_ratio"] == pytest.approx(expected, abs=2e-3)
+    # Compression and downlink patches: the instrument's own consistency, and what must hold at any
+    # size (nothing lost or counted twice, every edge's model the gateway's public one).
+    assert figures["mass_audit_exact"] is True and figures["downlink_bit_identical"] is True, report
+    assert figures["mass_audit_worst"] < 1e-5
+    for key in ("uplink_bytes_ratio", "downlink_bytes_ratio", "capped_dense_downlink_bytes_ratio"):
+        assert isinstance(figures[key], float) and figures[key] > 0, (key, report)
+    # Whole models: at most one a version per edge, plus the snapshots of a start.
+    assert figures["capped_dense_downlink_bytes_ratio"] >= 0.5
+    if figures["uncapped_dense_final_bpb"] is not None:
+        assert figures["target_bpb_dense"] == pytest.approx(
+            figures["uncapped_dense_final_bpb"] * 1.05, abs=1e-3
+        )
+    assert figures["compressed_reached_target"] == (figures["compressed_time_to_target_s"] is not None)
+    for key in ("time_to_target_speedup", "fedavg_vs_compressed_ratio"):
+        assert isinstance(figures[key], float) and figures[key] > 0, key
+    assert figures["bpb_gap"] is None or isinstance(figures["bpb_gap"], float)
 
     with open(figures["csv"]) as f:
         rows = list(csv.DictReader(f))
     by_run: dict[str, list[dict[str, str]]] = {}
     for row in rows:
         by_run.setdefault(row["contender"], []).append(row)
-    assert set(by_run) == {"elasticfed uncapped", "elasticfed capped", "fedavg capped"}
     finals = {
         "elasticfed uncapped": "uncapped_final_bpb",
+        "elasticfed uncapped dense": "uncapped_dense_final_bpb",
         "elasticfed capped": "capped_final_bpb",
+        "elasticfed capped dense": "capped_dense_final_bpb",
         "fedavg capped": "fedavg_final_bpb",
     }
+    assert set(by_run) == set(finals)
     for name, points in by_run.items():
         seconds = [float(p["seconds"]) for p in points]
         assert seconds[0] == 0.0 and seconds == sorted(seconds) and seconds[-1] <= budget + 5, name

@@ -16,11 +16,13 @@ import torch
 from fleet import gateway_thread
 from torch.utils.data import DataLoader
 
+from common.checkpoint import CheckpointError
 from common.link import Faults
 from common.task import load_task, shard
 from edge.agent import ElasticEdge
 from edge.cache import GradientCache
 from edge.compression import INT8_CHUNK, AutoCompression, UplinkCompression, quantize
+from edge.persistence import MASS_AUDIT_FILE, read_mass_audit, write_mass_audit
 from edge.session import SessionOptions
 from protocol import LayerGradient, Push, Sparse, decode, encode
 from protocol.payload import payload_bytes
@@ -137,6 +139,26 @@ def test_error_feedback_loses_nothing_and_a_flight_never_changes_while_unanswere
         assert torch.allclose(total, mass["produced"], atol=1e-4, rtol=1e-5), (
             (total - mass["produced"]).abs().max()
         )
+
+
+def test_the_mass_audit_file_holds_what_the_cache_says_and_a_damaged_one_is_refused(tmp_path: Path) -> None:
+    cache = _cache("topk:0.01+int8")
+    gen = torch.Generator().manual_seed(2)
+    for u, unit in enumerate(cache.units):
+        cache.add(u, [torch.randn(s, generator=gen) for s in unit.shapes], base_version=0)
+    assert cache.take(1, 1, 0.0, 1.0) is not None
+    path = tmp_path / MASS_AUDIT_FILE
+    write_mass_audit(cache, path)
+    units = read_mass_audit(path)
+    assert [names for names, _ in units] == [list(unit.names) for unit in cache.units]
+    for u, (_, mass) in enumerate(units):
+        for part, tensor in cache.mass(u).items():
+            assert torch.equal(mass[part], tensor), (u, part)
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=str(path)):
+        read_mass_audit(path)
 
 
 def test_compressed_pushes_are_a_hundredth_of_dense_for_topk_one_percent_int8() -> None:

@@ -187,3 +187,15 @@ def test_gateway_alone_refuses_a_bad_task(capsys: pytest.CaptureFixture[str]) ->
     argv = ["cloud", "serve", "--mode", "standalone", "--task", "nowhere.at_all:task", "--insecure"]
     assert main(argv) == 2
     assert "cannot import module 'nowhere.at_all'" in capsys.readouterr().err
+
+
+def test_edge_refuses_a_mass_audit_with_nowhere_to_write_it(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["edge", "--audit-mass", "--state-dir", "", "--insecure"]) == 2
+    assert "--audit-mass" in capsys.readouterr().err
+
+
+def test_gateway_refuses_a_downlink_it_does_not_know(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["cloud", "serve", "--mode", "standalone", "--gateway-downlink", "topk:0", "--insecure"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--gateway-downlink" in err and "full or topk" in err
