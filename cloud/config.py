@@ -97,7 +97,7 @@ class GatewaySettings:
         max=1024,
     )
     downlink: str = setting(
-        "topk:0.05",
+        "topk:0.02",
         "how models reach edges: topk:<ratio> (each version moves that share of the entries of the "
         "public model every edge holds bit for bit, those furthest from the gateway's, and edges "
         "fetch patches of those values) or full (every version whole)",

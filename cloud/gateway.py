@@ -184,7 +184,7 @@ class GatewayOptions:
     audit_mass: bool = False
     # Downlink: each version moves this share of the public model's entries (those furthest from
     # the gateway's model) and edges fetch patches (cloud/publication.py); 0: whole models.
-    downlink_ratio: float = 0.05
+    downlink_ratio: float = 0.02
     downlink_history: int = 32  # versions a patch may span; an edge further behind gets a snapshot
     max_chunk_bytes: int = 4 * 2**20  # the most one ModelChunk carries, whatever an edge asks
 

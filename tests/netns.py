@@ -172,6 +172,11 @@ def _used_networks() -> list[ipaddress.IPv4Network]:
 
 
 @dataclass
+def _chance(pct: int) -> str:
+    """The nftables match for `pct`% of packets (100: every one; numgen's range stops at 99)."""
+    return "" if pct >= 100 else f"numgen random mod 100 < {pct} "
+
+
 class EdgeNet:
     """One edge's namespace and veth; `argv` runs a command inside it."""
 
@@ -192,15 +197,9 @@ class EdgeNet:
                 raise ValueError(f"loss is a percentage, got {pct}")
         rules = [f"flush chain inet {TABLE} input", f"flush chain inet {TABLE} output"]
         if inbound:
-            rules.append(
-                f'add rule inet {TABLE} input iifname "{EDGE_IF}" numgen random mod 100 < {inbound} '
-                "counter drop"
-            )
+            rules.append(f'add rule inet {TABLE} input iifname "{EDGE_IF}" {_chance(inbound)}counter drop')
         if outbound:
-            rules.append(
-                f'add rule inet {TABLE} output oifname "{EDGE_IF}" numgen random mod 100 < {outbound} '
-                "counter drop"
-            )
+            rules.append(f'add rule inet {TABLE} output oifname "{EDGE_IF}" {_chance(outbound)}counter drop')
         # One nft transaction: the old rules go and the new ones come at once.
         sh("ip", "netns", "exec", self.ns, "nft", "-f", "-", stdin="\n".join(rules) + "\n")
         self.loss = (inbound, outbound)

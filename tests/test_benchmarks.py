@@ -189,3 +189,22 @@ def test_wan_benchmark_quick_reports_consistent_figures(tmp_path: Path) -> None:
         assert float(first["seconds"]) == pytest.approx(ours, abs=0.1)
     with open(figures["plot"], "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+@pytest.mark.netns
+def test_edge_memory_quick_holds_through_an_outage(tmp_path: Path) -> None:
+    """benchmarks/edge_memory.py --quick: the budget's parts, the peaks, and an outage that costs
+    no memory beyond training online (the full run's 10 minutes are in the README)."""
+    result = subprocess.run(
+        [sys.executable, "benchmarks/edge_memory.py", "--quick"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    if "skipped" in figures:
+        pytest.skip(f"no network namespaces here: {figures['skipped']}")
+    assert figures["parameters"] > 10**6 and figures["budget_mb"] > figures["runtime_mb"] > 0
+    assert figures["peak_rss_before_mb"] > 0 and figures["peak_rss_outage_mb"] > 0
+    assert figures["held_through_outage"] is True, figures
+    assert figures["hwm_mb"] >= figures["peak_rss_outage_mb"]
