@@ -76,9 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small task, 20 s outage (a test)")
     parser.add_argument("--task", default=None, help=f"default {BASE_TASK}; quick: {SMALL_TASK}")
     parser.add_argument("--rate", default="10mbit", help="tbf cap of the edge's link, each way")
-    parser.add_argument(
-        "--before-s", type=float, default=None, help="before the outage (90; quick 20)"
-    )
+    parser.add_argument("--before-s", type=float, default=None, help="before the outage (90; quick 20)")
     parser.add_argument("--outage-s", type=float, default=None, help="the outage (600; quick 20)")
     parser.add_argument("--after-s", type=float, default=None, help="training after it (90; quick 25)")
     args = parser.parse_args(argv)
