@@ -171,12 +171,12 @@ def _used_networks() -> list[ipaddress.IPv4Network]:
     return used
 
 
-@dataclass
 def _chance(pct: int) -> str:
     """The nftables match for `pct`% of packets (100: every one; numgen's range stops at 99)."""
     return "" if pct >= 100 else f"numgen random mod 100 < {pct} "
 
 
+@dataclass
 class EdgeNet:
     """One edge's namespace and veth; `argv` runs a command inside it."""
 
