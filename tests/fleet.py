@@ -275,3 +275,23 @@ def pumped(gw: Gateway) -> Iterator[Gateway]:
             gw.checkpoints.store.close()  # as the kernel does for a process that died
         if gw.admission is not None:
             gw.admission.close()
+
+
+def train_digits(agent: Any, seconds: float, shard_index: int = 0, parts: int = 4) -> None:
+    """SGD on a digits shard through `agent` (an ElasticEdge) for `seconds` of wall time."""
+    from torch.utils.data import DataLoader
+
+    from common.task import load_task, shard
+
+    task = load_task("common.tasks.digits:task")
+    opt = torch.optim.SGD(agent.parameters(), lr=0.01)
+    loader = DataLoader(shard(task.train_set(), shard_index, parts), batch_size=32, shuffle=True)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for x, y in loader:
+            loss = task.loss(agent(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if time.monotonic() >= end:
+                break

@@ -8,17 +8,15 @@ step-gradient the edge produced, through loss, duplicates, an outage and a resta
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from fleet import gateway_thread
-from torch.utils.data import DataLoader
+from fleet import gateway_thread, train_digits
 
 from common.checkpoint import CheckpointError
 from common.link import Faults
-from common.task import load_task, shard
+from common.task import load_task
 from edge.agent import ElasticEdge
 from edge.cache import GradientCache
 from edge.compression import INT8_CHUNK, AutoCompression, UplinkCompression, quantize
@@ -169,20 +167,6 @@ def test_compressed_pushes_are_a_hundredth_of_dense_for_topk_one_percent_int8() 
     assert 70_000 * 4 / flight.wire_bytes >= 100
 
 
-def train(agent: ElasticEdge, seconds: float, shard_index: int = 0) -> None:
-    opt = torch.optim.SGD(agent.parameters(), lr=0.01)
-    loader = DataLoader(shard(TASK.train_set(), shard_index, 4), batch_size=32, shuffle=True)
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        for x, y in loader:
-            loss = TASK.loss(agent(x), y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            if time.monotonic() >= end:
-                break
-
-
 def edge(endpoint: str, state_dir: Path, faults: str, spec: str) -> ElasticEdge:
     torch.manual_seed(0)
     return ElasticEdge(
@@ -209,7 +193,7 @@ def test_mass_audit_through_loss_duplicates_an_outage_and_a_restart(tmp_path: Pa
     faults = "loss=0.2,duplicate=0.2,reorder=0.1,outage=1.5+2,seed=3"
     with gateway_thread(quorum=1, round_deadline_s=0.2, max_staleness=1000, audit_mass=True) as gateway:
         first = edge(gateway.bound_endpoint, tmp_path, faults, spec)
-        train(first, 4.0)
+        train_digits(first, 4.0)
         first.close(drain_s=0.0)  # stopped with flights unanswered: they are saved and re-sent
         unanswered = first.cache.undelivered()
         residual = [u.residual.clone() for u in first.cache.units]
@@ -218,7 +202,7 @@ def test_mass_audit_through_loss_duplicates_an_outage_and_a_restart(tmp_path: Pa
         assert again.cache.undelivered() == unanswered
         for unit, saved in zip(again.cache.units, residual):  # the residual is durable state
             assert unit.residual is not None and torch.equal(unit.residual, saved)
-        train(again, 3.0, shard_index=1)
+        train_digits(again, 3.0, shard_index=1)
         assert again.close(drain_s=60.0), again.status()["undelivered_steps"]
     status = gateway.status()
     applied = gateway.applied_mass("e0")

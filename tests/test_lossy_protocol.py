@@ -9,16 +9,14 @@ in this process (its I/O thread is real, its socket real), the gateway in a thre
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import pytest
 import torch
-from fleet import applied_by_layer, gateway_thread
-from torch.utils.data import DataLoader
+from fleet import applied_by_layer, gateway_thread, train_digits
 
 from common.link import Faults
-from common.task import load_task, shard
+from common.task import load_task
 from edge.agent import ElasticEdge
 from edge.session import SessionOptions
 
@@ -46,17 +44,7 @@ def train(
     )
     if setup is not None:
         setup(agent)
-    opt = torch.optim.SGD(agent.parameters(), lr=0.01)
-    loader = DataLoader(shard(TASK.train_set(), 0, 4), batch_size=32, shuffle=True)
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        for x, y in loader:
-            loss = TASK.loss(agent(x), y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            if time.monotonic() >= end:
-                break
+    train_digits(agent, seconds)
     return agent, agent.close(drain_s=60.0)
 
 

@@ -9,18 +9,16 @@ over a link that loses and duplicates messages.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import replace
 
 import pytest
 import torch
-from fleet import gateway_thread
+from fleet import gateway_thread, train_digits
 from torch import nn
-from torch.utils.data import DataLoader
 
 from cloud.publication import PublicModel, downlink_ratio
 from common.link import Faults
-from common.task import load_task, shard
+from common.task import load_task
 from edge.agent import ElasticEdge
 from edge.download import ModelDownload
 from edge.session import SessionOptions
@@ -236,20 +234,6 @@ def test_downlink_spec() -> None:
             downlink_ratio(bad)
 
 
-def train(agent: ElasticEdge, seconds: float, shard_index: int) -> None:
-    opt = torch.optim.SGD(agent.parameters(), lr=0.01)
-    loader = DataLoader(shard(TASK.train_set(), shard_index, 2), batch_size=32, shuffle=True)
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        for x, y in loader:
-            loss = TASK.loss(agent(x), y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            if time.monotonic() >= end:
-                break
-
-
 def test_edges_over_a_lossy_link_hold_the_gateways_public_model_of_their_version() -> None:
     with gateway_thread(quorum=1, round_deadline_s=0.2, model_versions_kept=1024) as gateway:
         edges = [
@@ -267,7 +251,7 @@ def test_edges_over_a_lossy_link_hold_the_gateways_public_model_of_their_version
             for i in range(2)
         ]
         for i, agent in enumerate(edges):
-            train(agent, 3.0, i)
+            train_digits(agent, 3.0, i, parts=2)
         for agent in edges:
             agent.close(drain_s=0.0)
         served = gateway.status()["metrics"]["gateway_model_served_bytes_total"]
