@@ -299,6 +299,8 @@ class OpenRound:
     layer_steps: list[int] = field(default_factory=list)  # step-gradients added, per layer
     # client -> seconds its link needs for a contribution to every layer (cloud/delivery.py)
     delivery_s: dict[str, float] = field(default_factory=dict)
+    # client -> seconds its last model download took, as it said (ModelFetch.fetch_ms)
+    fetch_s: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.layer_steps:
@@ -312,11 +314,14 @@ class OpenRound:
         staleness: int,
         now: float,
         delivery_s: float | None = None,
+        fetch_s: float | None = None,
     ) -> None:
         if self.opened_at is None:
             self.opened_at = now
         if delivery_s is not None:
             self.delivery_s[client] = delivery_s
+        if fetch_s is not None:
+            self.fetch_s[client] = fetch_s
         self.covered.setdefault(client, set()).update(layer_indices)
         self.steps += count
         self.contributions += 1
@@ -340,12 +345,20 @@ class RoundPolicy(Protocol):
 
 @dataclass(frozen=True)
 class DeadlineQuorum:
-    """Close once `quorum` clients covered every layer, or at the deadline after the first contribution.
+    """Close once `quorum` clients covered every layer, or at the deadline after the first contribution;
+    never before the contributors can fetch the version it makes.
 
     The deadline is `deadline_s` plus the time the contributors' links need for one whole
     contribution (the quorum-th fastest; `OpenRound.delivery_s`), at most `max_stretch_s`:
     on a fast link that is nothing, on a slow one it keeps a round from closing on a layer
     or two and minting a version every few seconds that no download can keep up with.
+
+    The floor is the other direction of the same link: the time the contributors' last model
+    downloads took (the quorum-th fastest; `OpenRound.fetch_s`), at most `max_stretch_s`.
+    Compressed contributions are small: at 5 Mbit/s a 4.5 MB model's pushes completed a
+    round every 0.28 s while a patch took a second to come down, so every edge trained on a
+    model 4-8 versions old and 8% of its work was dropped as stale.  Versions no edge can
+    hold only age the work in flight; a round that waits gathers more into one version.
     """
 
     deadline_s: float = 5.0
@@ -362,19 +375,32 @@ class DeadlineQuorum:
     def should_close(self, round_: OpenRound, now: float) -> bool:
         if round_.opened_at is None:
             return False  # nothing to apply
+        if now < round_.opened_at + self.floor(round_):
+            return False
         if round_.complete_clients() >= self.quorum:
             return True
         return now >= self.deadline(round_)
 
     def time_left(self, round_: OpenRound, now: float) -> float | None:
-        return None if round_.opened_at is None else self.deadline(round_) - now
+        if round_.opened_at is None:
+            return None
+        if round_.complete_clients() >= self.quorum:
+            return round_.opened_at + self.floor(round_) - now
+        return max(self.deadline(round_), round_.opened_at + self.floor(round_)) - now
 
     def deadline(self, round_: OpenRound) -> float:
         assert round_.opened_at is not None
         return round_.opened_at + self.deadline_s + self.stretch(round_)
 
     def stretch(self, round_: OpenRound) -> float:
-        times = sorted(round_.delivery_s.values())
+        return self._quorum_th(round_.delivery_s)
+
+    def floor(self, round_: OpenRound) -> float:
+        """Seconds a round stays open at least: what the contributors need to fetch a version."""
+        return self._quorum_th(round_.fetch_s)
+
+    def _quorum_th(self, seconds: dict[str, float]) -> float:
+        times = sorted(seconds.values())
         if not times:
             return 0.0
         return min(self.max_stretch_s, times[min(self.quorum, len(times)) - 1])

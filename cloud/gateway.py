@@ -291,6 +291,8 @@ class ClientState:
     # slow link, versions published during a download are ones it could not have had (_on_push).
     fetching: int = 0
     fetched_at: float = float("-inf")
+    # How long its last download took, as it says (ModelFetch.fetch_ms): rounds close no faster.
+    fetch_s: float | None = None
 
     def record(self, seq: int, code: str, attempt: int, epoch: int = 0) -> None:
         self.verdicts[seq] = (code, attempt, epoch)
@@ -796,7 +798,7 @@ class Gateway:
             self.open.layer_steps[i] += layer.count
             indices.append(i)
             count = max(count, layer.count)
-        self.open.record(cid, indices, count, staleness, now, self.delivery.delivery_s(cid))
+        self.open.record(cid, indices, count, staleness, now, self.delivery.delivery_s(cid), state.fetch_s)
         epoch = self._epoch()
         state.record(msg.seq, "", msg.attempt, epoch)
         self._ack(route, msg.seq, True, None, "", attempt=msg.attempt, epoch=epoch)
@@ -853,6 +855,8 @@ class Gateway:
             version, data_blob, digest, base = served.version, served.blob, served.digest, 0
             model_digest = served.digest
         state.fetching, state.fetched_at = version, now
+        if msg.fetch_ms:
+            state.fetch_s = msg.fetch_ms / 1000.0  # the round policy caps what it trusts
         size = data_blob.numel()
         start = min(msg.offset, size)
         end = min(size, start + min(msg.length, self.options.max_chunk_bytes))

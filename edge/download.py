@@ -89,6 +89,10 @@ class ModelDownload:
         self._missing = self.chunks
         self._asked: dict[int, float] = {}  # chunk -> when asked on the current connection
         self._next = 0  # lowest chunk index that may still be missing and unasked
+        self._began: float | None = None  # when this download's first request went out
+        # Seconds from the first request to the model assembled, of the last download that
+        # finished (None: none yet).  The gateway paces its rounds no faster (ModelFetch.fetch_ms).
+        self.last_fetch_s: float | None = None
 
     # ---------------------------------------------------------------- state
     @property
@@ -110,6 +114,7 @@ class ModelDownload:
         as a patch from the model held, unless `whole`."""
         base = self.public_version if self.public is not None and not whole else 0
         self._reset(version, 0, base=base)
+        self._began = None  # a new download (restarts of one keep its start: see on_chunk)
 
     def held(self) -> tuple[int, int] | None:
         """(version, digest) of the model last assembled: the gateway's public model of that version."""
@@ -126,6 +131,12 @@ class ModelDownload:
         self._asked.clear()
         self._next = 0
 
+    def unasked(self, offset: int) -> None:
+        """The request for the chunk at `offset` never left (no connection yet): ask it again."""
+        i = offset // self.chunk_bytes
+        if self._asked.pop(i, None) is not None:
+            self._next = min(self._next, i)
+
     # ------------------------------------------------------------- requests
     def requests(self, budget_bytes: int, now: float, reask_after_s: float) -> list[tuple[int, int, int]]:
         """(version, offset, length) to ask for now, within `budget_bytes` outstanding (of the
@@ -136,6 +147,8 @@ class ModelDownload:
         """
         if not self.active:
             return []
+        if self._began is None:
+            self._began = now
         out = []
         for i, at in list(self._asked.items()):
             if now - at >= reask_after_s:
@@ -214,9 +227,9 @@ class ModelDownload:
         self.stats.bytes += len(msg.data)
         if self._missing:
             return None, asked_at
-        return self._finish(), asked_at
+        return self._finish(now), asked_at
 
-    def _finish(self) -> Model | None:
+    def _finish(self, now: float) -> Model | None:
         assert self._buffer is not None
         data, version, digest = self._buffer, self.version, self.digest
         if blob.digest(data) != digest:
@@ -244,6 +257,9 @@ class ModelDownload:
             return None
         self._buffer = None  # the model owns it now; the next download gets a new one
         self.public, self.public_version = data, version
+        if self._began is not None:
+            self.last_fetch_s = max(0.0, now - self._began)
+            self._began = None
         self.version = 0
         return Model(
             version=version,

@@ -1185,8 +1185,17 @@ class EdgeSession:
                 budget = self.download.chunk_bytes
                 reask = min(reask, self.resend_s * 2.0 ** min(self.download.stats.reasks, 20))
         base = self.download.base  # a patch from the model held, or 0: the whole model
-        for version, offset, length in self.download.requests(budget, now, reask):
-            self._send(encode(ModelFetch(version=version, offset=offset, length=length, base=base)), now)
+        took = self.download.last_fetch_s
+        fetch_ms = 0 if took is None else max(1, round(took * 1000))
+        requests = self.download.requests(budget, now, reask)
+        for k, (version, offset, length) in enumerate(requests):
+            fetch = ModelFetch(version=version, offset=offset, length=length, base=base, fetch_ms=fetch_ms)
+            if self._send(encode(fetch), now) is False:
+                # Refused at once (a replaced connection not up yet, with ZMQ_IMMEDIATE): over TCP
+                # nothing would ask again, and the download would wait for them forever.
+                for _version, unsent, _length in requests[k:]:
+                    self.download.unasked(unsent)
+                break
 
     def _on_chunk(self, msg: ModelChunk, now: float) -> None:
         restarts = self.download.stats.restarts + self.download.stats.corrupt

@@ -337,7 +337,9 @@ class ModelFetch(Message):
     waits for (an ack, a heartbeat reply) queues behind megabytes, and a download that a
     reconnect interrupts goes on from the chunks it already holds.  With `base`, the edge
     holds that version bit for bit and asks for the patch from it (a `ModelPatch` blob)
-    instead, if the gateway has one.
+    instead, if the gateway has one.  `fetch_ms` is how long the edge's last finished download
+    took, first request to model assembled (0: none yet): the gateway mints versions no faster
+    than its edges can fetch them (cloud/aggregation.py, DeadlineQuorum).
     """
 
     TYPE: ClassVar[str] = "model_fetch"
@@ -345,6 +347,7 @@ class ModelFetch(Message):
     offset: int = wire(UINT)
     length: int = wire(UINT)
     base: int = wire(UINT, default=0)
+    fetch_ms: int = wire(UINT, default=0)
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,9 @@ def test_a_download_assembles_the_served_model_exactly_within_its_byte_budget() 
         assert torch.equal(layer.payload.tensor, params[layer.name].detach())
     assert download.stats.bytes == manifest.blob_bytes and download.stats.duplicates == 0
     assert not download.active
+    # First request (t = 0) to the model assembled (the last batch, answered at `now` - 0.1):
+    # what the edge tells the gateway, which mints versions no faster.
+    assert download.last_fetch_s == pytest.approx(now - 0.1)
 
 
 def test_a_lost_connection_asks_only_for_what_is_missing() -> None:
@@ -93,6 +96,29 @@ def test_a_lost_connection_asks_only_for_what_is_missing() -> None:
     assert cuts >= 3
     assert got == manifest.blob_bytes  # every byte came once: never restarted from zero
     assert download.stats.resumed == cuts and download.stats.restarts == 0
+
+
+def test_requests_that_never_left_are_asked_again_on_the_same_connection() -> None:
+    """A replaced connection refuses sends until its handshake (ZMQ_IMMEDIATE): over TCP nothing
+    re-asks, so a request recorded as asked but never sent would stall the download for good
+    (measured: 1.3 of 4.5 MB, then nothing for minutes after an outage)."""
+    manifest, data, digest = served(make_model(), 1)
+    download = ModelDownload(manifest, CHUNK)
+    download.start(1)
+    refused = download.requests(budget_bytes=3 * CHUNK, now=0.0, reask_after_s=math.inf)
+    assert len(refused) == 3
+    assert download.requests(budget_bytes=3 * CHUNK, now=1.0, reask_after_s=math.inf) == []
+    for _version, offset, _length in refused:
+        download.unasked(offset)
+    assert download.outstanding_bytes() == 0
+    again = download.requests(budget_bytes=3 * CHUNK, now=2.0, reask_after_s=math.inf)
+    assert again == refused
+    finished = None
+    while finished is None:
+        for version, offset, length in again:
+            finished, _ = download.on_chunk(answer(data, digest, version, offset, length), 2.0)
+        again = download.requests(budget_bytes=3 * CHUNK, now=2.0, reask_after_s=math.inf)
+    assert download.stats.bytes == manifest.blob_bytes and download.stats.duplicates == 0
 
 
 def test_a_version_the_gateway_no_longer_serves_starts_over_on_the_one_it_does() -> None:
@@ -308,6 +334,23 @@ def test_pushes_of_an_edge_still_downloading_are_not_dropped_for_versions_it_cou
     assert gateway.served_version >= 8
     far = slow.push(2, grads_for(gateway, 0.1), base=0)
     assert not far.accepted and far.code == Reason.STALE.value
+
+
+def test_a_round_waits_for_the_download_time_an_edge_reports(gateway: Gateway) -> None:
+    """Over a real socket: `fetch_ms` in an edge's request becomes the floor of the rounds it
+    contributes to (quorum 1 would otherwise close on its push at once)."""
+    clock = [100.0]
+    gateway.clock = lambda: clock[0]
+    peer = Peer(gateway, "a")
+    peer.hello(gateway.manifest)
+    peer.send(ModelFetch(version=0, offset=0, length=1024, fetch_ms=3000))
+    assert isinstance(peer.recv(), ModelChunk)
+    assert peer.push(1, grads_for(gateway, 0.1), base=0).accepted
+    gateway.poll_once(0.0)
+    assert gateway.served_version == 0  # complete, but the edge needs 3 s to fetch a version
+    clock[0] = 103.0
+    gateway.poll_once(0.0)
+    assert gateway.served_version == 1
 
 
 def test_what_is_missing_bounds_the_wait_and_shrinks_as_chunks_come() -> None:

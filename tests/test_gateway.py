@@ -270,6 +270,31 @@ def test_a_round_waits_as_long_as_its_contributors_links_need_for_a_whole_contri
     assert policy.should_close(rnd, now=11.0)  # quorum, whatever the stretch
 
 
+def test_a_round_stays_open_as_long_as_its_contributors_take_to_fetch_a_version() -> None:
+    # Compressed contributions complete a round in a fraction of a second; a version minted
+    # faster than the edges download it only ages their work.  The floor is the quorum-th
+    # fastest contributor's last download time, capped like the stretch.
+    policy = DeadlineQuorum(deadline_s=1.0, quorum=1, max_stretch_s=30.0)
+    rnd = OpenRound(number=1, layers=2)
+    rnd.record("a", [0, 1], 1, 0, now=10.0, fetch_s=2.5)
+    assert policy.floor(rnd) == 2.5
+    assert not policy.should_close(rnd, now=12.4)  # complete, but no edge could fetch it yet
+    assert policy.time_left(rnd, now=12.0) == pytest.approx(0.5)
+    assert policy.should_close(rnd, now=12.5)
+    rnd.record("b", [0, 1], 1, 0, now=10.1, fetch_s=0.5)
+    assert policy.floor(rnd) == 0.5 and policy.should_close(rnd, now=10.5)  # the fastest, for a quorum of 1
+    slow = OpenRound(number=2, layers=2)
+    slow.record("a", [0], 1, 0, now=0.0, fetch_s=8.0)  # incomplete: the deadline (1 s) is earlier
+    assert not policy.should_close(slow, now=7.9) and policy.should_close(slow, now=8.0)
+    assert policy.time_left(slow, now=0.0) == pytest.approx(8.0)
+    hostile = OpenRound(number=3, layers=2)
+    hostile.record("a", [0, 1], 1, 0, now=0.0, fetch_s=1e9)
+    assert policy.floor(hostile) == 30.0
+    fresh = OpenRound(number=4, layers=2)
+    fresh.record("a", [0, 1], 1, 0, now=0.0)  # no download finished yet: no floor
+    assert policy.should_close(fresh, now=0.0)
+
+
 def test_delivery_pace_measures_an_edges_link_from_arrivals_alone() -> None:
     pace = DeliveryPace(model_bytes=10_000_000)
     pace.arrived("a", 100, now=0.0)  # a hello
