@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import gc
 import json
 import os
 import socket
@@ -142,8 +143,13 @@ def worker(rank: int, world: int, port: int, opts: argparse.Namespace, out: str)
             "adaptive_units": contenders["adaptive"].stats.units,
             "layers": len(contenders["layerwise"].layer_names),
         }
+        del contenders, opts_by  # their pending gloo work goes before the group does
     if rank == 0:
         Path(out).write_text(json.dumps(report))
+    # Both ranks done before either tears down: once in CI a rank aborted at exit ("terminate
+    # called without an active exception") with the models and their work still alive.
+    dist.barrier()
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -133,12 +133,17 @@ def test_gateway_memory_with_64_edges_is_flat_across_rounds(tmp_path: Path, proc
     commits = sum(len(d.commits) for d in devices)
     for d in devices:
         d.close()
-    warm = samples[20]
+    # The RSS settles slowly: +1.5 MiB from round 20 to 40, +0.8 from 60 to 120, flat at the
+    # end (locally; 4.3 MiB from 20 to 120 under CI's load).  Python's heap grows by 70 KiB
+    # over those 100 rounds (tracemalloc): the rest is the allocator's arenas settling, which
+    # a bound from round 20 mistook for a leak.  From round 60 on, 2 MiB over 60 rounds of 64
+    # pushes catches anything kept per push of more than about 550 bytes.
+    warm = samples[60]
     figures = {
         "rss_mib_by_round": {r: round(v / MiB, 2) for r, v in samples.items()},
-        "growth_after_round_20_mib": round((max(samples.values()) - warm) / MiB, 2),
+        "growth_after_round_60_mib": round((max(v for r, v in samples.items() if r >= 60) - warm) / MiB, 2),
         "commits_received": commits,
     }
     print(json.dumps(figures))
     assert commits >= 64 * 100, figures  # a checkpoint and a commit every round
-    assert max(v for r, v in samples.items() if r >= 20) - warm <= 4 * MiB, figures
+    assert max(v for r, v in samples.items() if r >= 60) - warm <= 2 * MiB, figures
