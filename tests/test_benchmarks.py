@@ -207,4 +207,7 @@ def test_edge_memory_quick_holds_through_an_outage(tmp_path: Path) -> None:
     assert figures["parameters"] > 10**6 and figures["budget_mb"] > figures["runtime_mb"] > 0
     assert figures["peak_rss_before_mb"] > 0 and figures["peak_rss_outage_mb"] > 0
     assert figures["held_through_outage"] is True, figures
-    assert figures["hwm_mb"] >= figures["peak_rss_outage_mb"]
+    # The high-water mark covers the sampled peaks, within the kernel's RSS counting: each thread
+    # caches its count and syncs it every 64 page faults (up to 256 KiB a thread; measured: a
+    # peak of 552.0 MB sampled, a high-water mark of 551.8 MB read later).
+    assert figures["hwm_mb"] >= figures["peak_rss_outage_mb"] - 4.0, figures
