@@ -144,8 +144,12 @@ def test_wan_benchmark_quick_reports_consistent_figures(tmp_path: Path) -> None:
     ours, theirs = figures["capped_time_to_target_s"], figures["fedavg_time_to_target_s"]
     assert figures["capped_reached_target"] == (ours is not None)
     ours_or_budget = budget if ours is None else ours
-    expected = (budget if theirs is None else theirs) / ours_or_budget if ours_or_budget > 0 else 1.0
-    assert figures["fedavg_time_to_target_ratio"] == pytest.approx(expected, abs=2e-3)
+    theirs_or_budget = budget if theirs is None else theirs
+    expected = theirs_or_budget / ours_or_budget if ours_or_budget > 0 else 1.0
+    # The JSON's times are rounded to 0.1 s, its ratio comes from the unrounded ones: at 15 s
+    # to target that alone is 0.3% each (CI: 1.023 reported, 15.4 / 15.1 = 1.0199 recomputed).
+    slack = expected * (0.05 / max(ours_or_budget, 0.05) + 0.05 / max(theirs_or_budget, 0.05)) + 5e-4
+    assert figures["fedavg_time_to_target_ratio"] == pytest.approx(expected, abs=slack)
     # Compression and downlink patches: the instrument's own consistency, and what must hold at any
     # size (nothing lost or counted twice, every edge's model the gateway's public one).
     assert figures["mass_audit_exact"] is True and figures["downlink_bit_identical"] is True, report

@@ -26,7 +26,18 @@ def test_a_terminal_gets_one_line_redrawn_in_place() -> None:
         bar.update(6)  # within every_s: not drawn
         bar.update(10, force=True, loss=0.125)
         bar.close()
-    text = os.read(leader, 4096).decode()
+    # One read returns what the pty has buffered so far, not necessarily every write (CI once got
+    # only the first line): read until the closed follower ends it (EIO on Linux).
+    data = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    text = data.decode()
     os.close(leader)
     assert text.count("\r\x1b[2K") == 2
     assert "cloud [############            ] 5/10  epoch 2  loss 0.25" in text
