@@ -11,6 +11,7 @@ from common.shared_settings import (
     log_format_setting,
     log_level_setting,
     metrics_setting,
+    partition_spec,
     shard_spec,
     task_setting,
     tcp_endpoint,
@@ -255,9 +256,10 @@ class DemoConfig:
     )
     partition: str = setting(
         "iid",
-        "how the edges split the data: iid, shards (by label) or package (by top-level package, "
-        "stdlib-lm); the last two are non-IID",
-        choices=("iid", "shards", "package"),
+        "how the edges split the data: iid, shards (by label), dirichlet:<alpha> (label skew), "
+        "quantity:<alpha> (size skew) or package (by top-level package, stdlib-lm); all but iid are "
+        "non-IID",
+        check=partition_spec,
     )
     weighting: str = setting(
         "progress",

@@ -22,6 +22,17 @@ def task_spec(value: str) -> str | None:
     return f"must be a built-in task ({', '.join(BUILT_IN)}) or look like 'package.module:function'"
 
 
+def partition_spec(value: str) -> str | None:
+    """How shards split a task's data (`common.task.shard`), checked when a config loads."""
+    from common.task import parse_partition  # torch: not for `--help`
+
+    try:
+        parse_partition(value)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def tcp_endpoint(value: str) -> str | None:
     """A ZeroMQ TCP endpoint with a port in range."""
     match = _TCP.match(value)

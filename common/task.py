@@ -114,7 +114,28 @@ class Grouped(Protocol):
         ...
 
 
-PARTITIONS = ("iid", "shards", "package")
+PARTITIONS = ("iid", "shards", "package", "dirichlet:<alpha>", "quantity:<alpha>")
+MIN_PART = 10  # examples: a Dirichlet draw leaving a device fewer than this is drawn again
+
+
+def parse_partition(spec: str) -> tuple[str, float]:
+    """`iid`, `shards`, `package`, `dirichlet:<alpha>` or `quantity:<alpha>` -> (kind, alpha).
+
+    Raises ValueError naming the spec and the accepted forms: this is the check a
+    config runs when it loads, and what `shard` runs before it touches the data.
+    """
+    kind, colon, arg = spec.partition(":")
+    if kind in ("iid", "shards", "package") and not colon:
+        return kind, 0.0
+    if kind in ("dirichlet", "quantity") and colon:
+        try:
+            alpha = float(arg)
+        except ValueError:
+            alpha = -1.0
+        if 0.0 < alpha < float("inf"):
+            return kind, alpha
+        raise ValueError(f"partition {spec!r}: alpha must be a number above 0, e.g. {kind}:0.1")
+    raise ValueError(f"partition {spec!r} is not one of {', '.join(PARTITIONS)}")
 
 
 def shard(data: Dataset, index: int, parts: int, partition: str = "iid", seed: int = 0) -> Dataset:
@@ -123,31 +144,100 @@ def shard(data: Dataset, index: int, parts: int, partition: str = "iid", seed: i
     `iid`: a seeded shuffle cut into equal parts.  `shards` (one label per
     example): examples sorted by label, cut into 2 x parts slices, and each
     device gets two of them, so most devices see two or three classes
-    (McMahan et al.'s non-IID split).  `package` (a `Grouped` data set): each
-    device owns whole groups, none shared, balanced by example count.
+    (McMahan et al.'s non-IID split).  `dirichlet:<alpha>` (label skew, the
+    field's standard since Hsu et al. 2019): each class is split over the
+    devices by proportions drawn from Dirichlet(alpha); 0.1 leaves most
+    devices one or two dominant classes, 100 is nearly IID.
+    `quantity:<alpha>`: IID examples, but each device's share of them drawn
+    from Dirichlet(alpha) (sites of very different sizes).  `package` (a
+    `Grouped` data set): each device owns whole groups, none shared, balanced
+    by example count.  Every part is disjoint from the others, together they
+    cover the data, and the same seed gives the same parts on every device.
     """
+    kind, alpha = parse_partition(partition)
     if not 0 <= index < parts:
         raise ValueError(f"shard {index} of {parts} does not exist")
     n = len(data)  # type: ignore[arg-type]
     gen = torch.Generator().manual_seed(seed)
-    if partition == "iid":
+    if kind == "iid":
         order = torch.randperm(n, generator=gen)
         return torch.utils.data.Subset(data, order[index::parts].tolist())
-    if partition == "package":
+    if kind == "package":
         return _by_group(data, index, parts, seed)
-    if partition != "shards":
-        raise ValueError(f"partition {partition!r} is not one of {', '.join(PARTITIONS)}")
+    if kind == "quantity":
+        order = torch.randperm(n, generator=gen)
+        sizes = _dirichlet_sizes(n, parts, alpha, seed, partition)
+        start = sum(sizes[:index])
+        return torch.utils.data.Subset(data, order[start : start + sizes[index]].tolist())
     if n and torch.as_tensor(data[0][1]).numel() != 1:
         raise ValueError(
-            "partition 'shards' sorts examples by their label, and this data set's targets are not one "
-            "label each; use iid" + (" or package" if isinstance(data, Grouped) else "")
+            f"partition {partition!r} splits examples by their label, and this data set's targets are "
+            "not one label each; use iid or quantity:<alpha>"
+            + (" or package" if isinstance(data, Grouped) else "")
         )
     labels = torch.tensor([int(data[i][1]) for i in range(n)])
+    if kind == "dirichlet":
+        return torch.utils.data.Subset(data, _label_dirichlet(labels, parts, alpha, seed, partition)[index])
     by_label = torch.argsort(labels * n + torch.randperm(n, generator=gen), stable=True)
     slices = torch.tensor_split(by_label, 2 * parts)
     pick = torch.randperm(2 * parts, generator=torch.Generator().manual_seed(seed + 1))
     mine = torch.cat([slices[int(pick[2 * index])], slices[int(pick[2 * index + 1])]])
     return torch.utils.data.Subset(data, mine.tolist())
+
+
+def _dirichlet(alpha: float, parts: int) -> torch.Tensor:
+    """Dirichlet(alpha, ..., alpha) from torch's global generator (`_seeded_draws` seeds and restores it)."""
+    return torch.distributions.Dirichlet(torch.full((parts,), alpha, dtype=torch.float64)).sample()
+
+
+def _split_counts(total: int, share: torch.Tensor) -> list[int]:
+    """`total` items over parts in proportion to `share`, largest remainders first."""
+    raw = share * total
+    counts = raw.floor().long()
+    for i in torch.argsort(raw - counts, descending=True, stable=True)[: total - int(counts.sum())]:
+        counts[i] += 1
+    return counts.tolist()
+
+
+def _seeded_draws(
+    seed: int, spec: str, draw: Callable[[], list[list[int]]], n: int, parts: int
+) -> list[list[int]]:
+    """Draw again (up to 100 times, seeded) until every part holds at least MIN_PART examples."""
+    state = torch.random.get_rng_state()
+    try:
+        for attempt in range(100):
+            torch.manual_seed(seed * 1000 + attempt)
+            result = draw()
+            if min(len(p) for p in result) >= min(MIN_PART, n // parts):
+                return result
+    finally:
+        torch.random.set_rng_state(state)
+    raise ValueError(
+        f"partition {spec!r}: 100 draws all left some of {parts} parts with fewer than {MIN_PART} of "
+        f"{n} examples; use a larger alpha or fewer parts"
+    )
+
+
+def _dirichlet_sizes(n: int, parts: int, alpha: float, seed: int, spec: str) -> list[int]:
+    def draw() -> list[list[int]]:
+        return [[0] * c for c in _split_counts(n, _dirichlet(alpha, parts))]
+
+    return [len(p) for p in _seeded_draws(seed, spec, draw, n, parts)]
+
+
+def _label_dirichlet(labels: torch.Tensor, parts: int, alpha: float, seed: int, spec: str) -> list[list[int]]:
+    def draw() -> list[list[int]]:
+        owned: list[list[int]] = [[] for _ in range(parts)]
+        for c in torch.unique(labels).tolist():
+            members = torch.nonzero(labels == c).flatten()
+            members = members[torch.randperm(len(members))]
+            start = 0
+            for p, count in enumerate(_split_counts(len(members), _dirichlet(alpha, parts))):
+                owned[p].extend(members[start : start + count].tolist())
+                start += count
+        return [sorted(p) for p in owned]
+
+    return _seeded_draws(seed, spec, draw, len(labels), parts)
 
 
 def _by_group(data: Dataset, index: int, parts: int, seed: int) -> Dataset:

@@ -11,6 +11,7 @@ from common.shared_settings import (
     log_format_setting,
     log_level_setting,
     metrics_setting,
+    partition_spec,
     shard_spec,
     task_setting,
     tcp_endpoint,
@@ -37,9 +38,11 @@ class EdgeTrain:
     )
     partition: str = setting(
         "iid",
-        "how shards split the data: iid, shards (two label-sorted slices each: non-IID), or package "
-        "(whole top-level packages each, for stdlib-lm: non-IID)",
-        choices=("iid", "shards", "package"),
+        "how shards split the data: iid; non-IID: shards (two label-sorted slices each), "
+        "dirichlet:<alpha> (each label spread over the devices by Dirichlet(alpha) shares; 0.1: strong "
+        "skew), quantity:<alpha> (IID examples, Dirichlet(alpha) amounts), or package (whole top-level "
+        "packages each, stdlib-lm)",
+        check=partition_spec,
     )
 
 
