@@ -110,11 +110,15 @@ def fedavg(
     message_loss: float = 0.0,
     timeout_s: float = 0.1,
     local_steps: int = 50,
+    partition: str = "iid",
+    model_out: dict[str, torch.Tensor] | None = None,
 ) -> list[TracePoint]:
     """Synchronous FedAvg: all clients, one local epoch each, wait for all, average the models.
 
-    An epoch longer than `local_steps` is cut there (digits' is 11 steps; stdlib-lm's
-    thousands, which would make one round outlast any budget).
+    `partition` splits the clients' data as the edges' (common.task.shard); `model_out`
+    receives the final global model's state.  An epoch longer than `local_steps` is cut
+    there (digits' is 11 steps; stdlib-lm's thousands, which would make one round outlast
+    any budget).
 
     Compute is measured; with `message_loss`, each client's model download and upload is a
     request/response retried every `timeout_s` (the edges' deadline), its time drawn
@@ -127,7 +131,7 @@ def fedavg(
     test = task.test_set()
     loaders = [
         DataLoader(
-            shard(data, i, clients, "iid", seed=seed),
+            shard(data, i, clients, partition, seed=seed),
             batch_size=task.batch_size,
             shuffle=True,
             generator=torch.Generator().manual_seed(seed + 17 + i),
@@ -171,6 +175,8 @@ def fedavg(
         trace.append((clock, r, task.evaluate(global_model, test)))
         if clock >= time_s:
             break
+    if model_out is not None:
+        model_out.update({k: v.detach().clone() for k, v in global_model.state_dict().items()})
     return trace
 
 
@@ -243,7 +249,7 @@ def main() -> None:
     parser.add_argument(
         "--burst", type=float, default=1.0, help="mean loss burst in messages (1: independent)"
     )
-    parser.add_argument("--weighting", default="progress", choices=("progress", "success"))
+    parser.add_argument("--weighting", default="buffered", choices=("buffered", "mean-step"))
     parser.add_argument("--timeout-ms", type=int, default=100)
     parser.add_argument("--drain-s", type=float, default=3.0, help="time edges get to deliver at the end")
     parser.add_argument("--seed", type=int, default=0)

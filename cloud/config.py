@@ -29,6 +29,10 @@ def downlink_spec(value: str) -> str | None:
     return None
 
 
+# The names before 2026-12: `auto` chose progress standalone and success in hybrid mode.
+WEIGHTING_ALIASES = {"progress": "buffered", "success": "mean-step", "auto": "buffered"}
+
+
 @dataclass(frozen=True)
 class GatewaySettings:
     bind: str = setting("tcp://*:7878", "endpoint the edge gateway listens on", check=tcp_endpoint)
@@ -45,23 +49,41 @@ class GatewaySettings:
         1.0, "also scale it by this to the power of its staleness (1: none)", min=0.001, max=1.0
     )
     weighting: str = setting(
-        "auto",
-        "how contributions are averaged: progress (FedBuff's buffered rule: the mean of the edges' "
-        "local moves over max(contributions, quorum); keeps local progress over lossy and slow links), "
-        "success (sum / step count: a contribution of many steps becomes one mean step), or auto: "
-        "progress standalone, success in hybrid mode (where a round enters a cloud step as a gradient)",
-        choices=("auto", "progress", "success"),
+        "buffered",
+        "how contributions are averaged: buffered (FedBuff's rule, the success-weighted average: a "
+        "contribution weighs as many local steps as it synced, and the round's update is the sum of "
+        "the edges' moves over max(contributions, quorum); keeps local progress over lossy and slow "
+        "links) or mean-step (a layer's sum over its step count: one mean step per round, which "
+        "throws away what a contribution of many steps carries)",
+        choices=("buffered", "mean-step"),
+        aliases=WEIGHTING_ALIASES,
     )
     edge_lr: float = setting(
-        0.0, "the edges' local learning rate, which weighting=progress needs (0: the task's)", min=0.0
+        0.0, "the edges' local learning rate, which weighting=buffered needs (0: the task's)", min=0.0
     )
-    lr: float = setting(0.0, "learning rate of the gateway's SGD on the averages (0: the task's)", min=0.0)
+    optimizer: str = setting(
+        "sgd",
+        "the gateway's optimizer on the round's update (cloud/server_optimizers.py): sgd (with "
+        "momentum 0, the edges' mean move: FedAvg), adam (FedAdam) or yogi (FedYogi)",
+        choices=("sgd", "adam", "yogi"),
+    )
+    lr: float = setting(
+        0.0,
+        "learning rate of the gateway's optimizer (0: the task's for sgd, which lands on the edges' "
+        "mean move; 0.01 for adam and yogi, whose steps are about lr per coordinate)",
+        min=0.0,
+    )
     momentum: float = setting(
         0.0,
         "momentum of the gateway's SGD on the buffered update (0: the update is the edges' mean move, "
         "as in FedAvg; momentum on top of moves of hundreds of local steps overshoots)",
         min=0.0,
         max=0.999,
+    )
+    beta1: float = setting(0.9, "adam and yogi: decay of the first moment", min=0.0, max=0.999)
+    beta2: float = setting(0.99, "adam and yogi: decay of the second moment", min=0.0, max=0.99999)
+    tau: float = setting(
+        0.001, "adam and yogi: the adaptivity (eps; Reddi et al.'s tau), larger is closer to SGD", min=1e-9
     )
     lr_decay_rounds: int = setting(
         0, "decay the learning rate along a cosine over this many rounds, to 5% (0: constant)", min=0
@@ -77,7 +99,7 @@ class GatewaySettings:
     )
     max_grad_norm: float = setting(
         0.0,
-        "bound on a layer's gradient norm per step (success) or per contribution (progress); 0: none",
+        "bound on a layer's gradient norm per step (mean-step) or per contribution (buffered); 0: none",
         min=0.0,
     )
     norm_policy: str = setting(
@@ -262,9 +284,11 @@ class DemoConfig:
         check=partition_spec,
     )
     weighting: str = setting(
-        "progress",
-        "success (sum / step count) or progress (FedAvg: mean of local moves; holds up at 95%% loss)",
-        choices=("success", "progress"),
+        "buffered",
+        "buffered (the success-weighted rule: the mean of the edges' local moves; holds up at 95%% "
+        "loss) or mean-step (sum / step count)",
+        choices=("buffered", "mean-step"),
+        aliases=WEIGHTING_ALIASES,
     )
     drain_s: float = setting(30.0, "at the end, how long edges may take to deliver what they hold", min=0.0)
     momentum: float = setting(

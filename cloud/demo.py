@@ -239,12 +239,15 @@ def run(
     bind: str = "tcp://127.0.0.1:0",
     edge_command: Callable[[int, list[str], str], list[str]] | None = None,
     result: dict[str, Any] | None = None,
+    gateway_settings: dict[str, Any] | None = None,
 ) -> int:
-    """Run the demo; the keywords let benchmarks/convergence.py record it and place the edges.
+    """Run the demo; the keywords let benchmarks (convergence.py, noniid.py) record it and place the edges.
 
     `trace` receives a point per round (the task's figure); `edge_command(i, argv, endpoint)` may
     rewrite edge i's command line (e.g. to run it in a network namespace and point it
-    at another address); `result` receives the figures of the final JSON line.
+    at another address); `result` receives the figures of the final JSON line, and the final
+    model's parameters under "model_state"; `gateway_settings` overrides GatewaySettings fields
+    the demo has no flag for (e.g. the gateway's optimizer).
     """
     logging.basicConfig(level="WARNING", format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(1)
@@ -276,6 +279,8 @@ def run(
             seed=config.seed,
         ),
     )
+    if gateway_settings:
+        cloud = replace(cloud, gateway=replace(cloud.gateway, **gateway_settings))
     rounds_closed = 0
     staleness = 0.0
     round_lock = threading.Lock()
@@ -494,6 +499,7 @@ def _report(
     }
     if result is not None:
         result.update(figures)
+        result["model_state"] = {k: v.detach().clone() for k, v in gateway.model.state_dict().items()}
     print(json.dumps(figures), file=out, flush=True)
     return 0 if audit_ok and all(c == 0 for c in codes) else 1
 

@@ -47,9 +47,9 @@ from cloud.aggregation import (
     Aggregation,
     DeadlineQuorum,
     MeanAggregation,
+    MeanStep,
     OpenRound,
     RoundPolicy,
-    SuccessWeighted,
     Weighting,
 )
 from cloud.delivery import DeliveryPace
@@ -101,6 +101,10 @@ FETCH_GRACE_S = 30.0
 HARD_STALENESS_FACTOR = 4
 
 
+class GatewayDiverged(RuntimeError):
+    """A round's update made the model non-finite; the gateway stops without serving or saving it."""
+
+
 class ModelUpdate(Protocol):
     """Where a closed round's per-layer averages go: the one point standalone and hybrid differ."""
 
@@ -118,14 +122,18 @@ def edge_push(optimizer: torch.optim.Optimizer | None) -> str:
     """What edges that follow their optimizer should push to a gateway stepping with `optimizer`.
 
     Momentum is applied once.  A gateway whose step is plain SGD without momentum takes the
-    mean of the edges' moves (FedAvg): edges push their optimizer's step, momentum included
-    ("step", edge/direction.py).  One with momentum or another optimizer (or a cloud trainer's,
-    hybrid) supplies its own: edges push raw gradients ("gradient"), or momentum counts twice
-    (measured on the digits fleet: 10% accuracy instead of 96%).
+    mean of the edges' moves (FedAvg), and an adaptive one (FedAdam, FedYogi:
+    cloud/server_optimizers.py) takes that move as its pseudo-gradient (Reddi et al.): edges
+    push their optimizer's step, momentum included ("step", edge/direction.py).  SGD with
+    momentum (or a cloud trainer's optimizer, hybrid: None here) supplies its own: edges push
+    raw gradients ("gradient"), or momentum counts twice (measured on the digits fleet: 10%
+    accuracy instead of 96%).
     """
-    if type(optimizer) is torch.optim.SGD and not any(g["momentum"] for g in optimizer.param_groups):
-        return "step"
-    return "gradient"
+    if optimizer is None:
+        return "gradient"
+    if type(optimizer) is torch.optim.SGD:
+        return "gradient" if any(g["momentum"] for g in optimizer.param_groups) else "step"
+    return "step"
 
 
 class OptimizerStep:
@@ -396,11 +404,12 @@ class Gateway:
     ) -> None:
         self.model = model
         self.optimizer = optimizer  # None when `update` steps someone else's optimizer (hybrid)
+        self.diverged: str | None = None  # why the gateway stopped applying (GatewayDiverged)
         self.options = options or GatewayOptions()
         self.admission = admission  # None: --insecure (anyone reaching the port may talk)
         self.checkpoints = checkpoints  # None: state lives in memory only
         self.aggregation = aggregation or MeanAggregation()
-        self.weighting = weighting or SuccessWeighted()
+        self.weighting = weighting or MeanStep()
         self.rounds = rounds or DeadlineQuorum()
         self.on_round = on_round
         self.clock = clock
@@ -539,10 +548,11 @@ class Gateway:
         keeps every contribution the gateway acknowledged.
         """
         if self.checkpoints is not None and self._sock is not None:
-            if self.open.opened_at is not None:
-                self.close_round()
-            if self.checkpoints.saved_version != self.version:
-                self.checkpoints.save(self)
+            if self.diverged is None:  # diverged: the last checkpoint is the last good model
+                if self.open.opened_at is not None:
+                    self.close_round()
+                if self.checkpoints.saved_version != self.version:
+                    self.checkpoints.save(self)
             self.checkpoints.store.close()
         if self._sock is not None:
             self._sock.close(linger=int(linger_s * 1000))
@@ -907,6 +917,8 @@ class Gateway:
             # A layer whose average was dropped brought no step-gradient into the model.
             steps = [n if avg is not None else 0 for n, avg in zip(rnd.layer_steps, averages)]
             self.update.apply(rnd.number, averages, steps)
+            if self.update.publishes:
+                self._refuse_a_broken_model(rnd.number)
         self.version += 1
         if self.update.publishes:
             self.publish(self.version)
@@ -932,6 +944,21 @@ class Gateway:
         if self.on_round is not None:
             self.on_round(summary)
         return summary
+
+    def _refuse_a_broken_model(self, round_number: int) -> None:
+        """Stop before serving or saving a model the round made non-finite (the averages were finite:
+        the optimizer overflowed it, e.g. a learning rate far too large for the task)."""
+        broken = [name for name, p in zip(self.names, self.params) if not bool(torch.isfinite(p).all())]
+        if not broken:
+            return
+        self.diverged = (
+            f"round {round_number} made the model non-finite (layers {', '.join(broken[:3])}"
+            f"{' ...' if len(broken) > 3 else ''}) with finite averages: the gateway's optimizer "
+            "diverged; lower --gateway-lr. Not served and not saved: the last checkpoint holds the "
+            "model before it, and edges re-send what was not yet durable"
+        )
+        log.error("%s", self.diverged)
+        raise GatewayDiverged(self.diverged)
 
     def _epoch(self) -> int:
         """The number of the checkpoint that will hold what is applied now (0: no checkpoints)."""

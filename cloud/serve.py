@@ -34,20 +34,21 @@ import torch.distributed as dist
 
 from cloud.admission import CurveAdmission
 from cloud.aggregation import (
+    Buffered,
     CosineDecay,
     DeadlineQuorum,
-    LocalProgress,
-    SuccessWeighted,
+    MeanStep,
     Weighting,
     aggregation_named,
 )
 from cloud.collectives import CollectiveError
 from cloud.config import CloudConfig
 from cloud.durability import GatewayCheckpoints
-from cloud.gateway import Gateway, GatewayOptions, ModelUpdate, RoundSummary
+from cloud.gateway import Gateway, GatewayDiverged, GatewayOptions, ModelUpdate, RoundSummary
 from cloud.hybrid import EdgeMixing, EdgeRounds
 from cloud.layerwise import DivergenceError
 from cloud.publication import downlink_ratio
+from cloud.server_optimizers import default_lr, server_optimizer
 from cloud.train import (
     EXIT_SYNC_FAILED,
     configure_worker_logging,
@@ -66,6 +67,7 @@ from common.task import Task, TaskError, load_task, shard
 log = logging.getLogger("elasticfed.gateway")
 
 EXIT_GATEWAY_FAILED = 1
+EXIT_DIVERGED = 5  # the model went non-finite: not served, not saved (3: a sync failure, 4: an edge refused)
 
 
 def load_admission(config: CloudConfig) -> CurveAdmission | None:
@@ -96,24 +98,32 @@ def build_gateway(
     if model is None:
         torch.manual_seed(g.seed)
         model = task.build_model()
-    lr = g.lr or task.lr
+    problem = contradictions(config)
+    if problem is not None:
+        raise ValueError(problem)
+    lr = g.lr or default_lr(g.optimizer, task.lr)
     # With an update policy the model belongs to someone else, and so does its optimizer.
     optimizer = (
-        None if update is not None else torch.optim.SGD(model.parameters(), lr=lr, momentum=g.momentum)
+        None
+        if update is not None
+        else server_optimizer(
+            g.optimizer, model.parameters(), lr, g.momentum, betas=(g.beta1, g.beta2), tau=g.tau
+        )
     )
     weighting: Weighting
-    rule = g.weighting if g.weighting != "auto" else ("success" if config.mode == "hybrid" else "progress")
-    if rule == "progress":
-        weighting = LocalProgress(
+    if g.weighting == "buffered":
+        weighting = Buffered(
             edge_lr=g.edge_lr or task.lr,
-            gateway_lr=lr,
+            # SGD: the mean move over the gateway's rate, so its step lands on the move.  Adaptive:
+            # the move itself is the pseudo-gradient (Reddi et al.), which tau is measured against.
+            gateway_lr=lr if g.optimizer == "sgd" or update is not None else 1.0,
             max_staleness=g.max_staleness,
             discount=g.staleness_discount,
             exponent=g.staleness_exponent,
             expected=g.quorum,
         )
     else:
-        weighting = SuccessWeighted(
+        weighting = MeanStep(
             max_staleness=g.max_staleness, discount=g.staleness_discount, exponent=g.staleness_exponent
         )
     return Gateway(
@@ -231,7 +241,27 @@ def start_metrics(bind: str, *registries: Metrics, extra: list[ExtraGauge]) -> M
     return server
 
 
+def contradictions(config: CloudConfig) -> str | None:
+    """Settings that are each valid but say opposite things together; checked before anything starts."""
+    g = config.gateway
+    if g.optimizer != "sgd" and g.momentum:
+        return (
+            f"--gateway-momentum {g.momentum} is SGD's; --gateway-optimizer {g.optimizer} has its own "
+            "(--gateway-beta1): set one or the other"
+        )
+    if config.mode == "hybrid" and g.optimizer != "sgd":
+        return (
+            f"--gateway-optimizer {g.optimizer}: in hybrid mode the cloud trainer's optimizer applies "
+            "the edges' rounds (mixed into its gradients); the gateway has none of its own"
+        )
+    return None
+
+
 def run(args: argparse.Namespace, config: CloudConfig) -> int:
+    problem = contradictions(config)
+    if problem is not None:
+        print(f"elasticfed cloud serve: error: {problem}", file=sys.stderr)
+        return 2
     if config.mode == "hybrid":
         return run_hybrid(config)
     configure_logging(config.log_level, config.log_format, role="gateway")
@@ -284,6 +314,9 @@ def run(args: argparse.Namespace, config: CloudConfig) -> int:
     started = time.monotonic()
     try:
         gateway.serve(stop, max_rounds=config.gateway.max_rounds or None)
+    except GatewayDiverged as exc:
+        print(f"elasticfed cloud serve: error: {exc}", file=sys.stderr)
+        return EXIT_DIVERGED
     finally:
         if metrics is not None:
             metrics.close()

@@ -16,6 +16,7 @@ import json
 import math
 import sys
 import typing
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -42,12 +43,22 @@ def setting(
     choices: tuple[Any, ...] | None = None,
     check: Check | None = None,
     flag: str | None = None,
+    aliases: dict[str, str] | None = None,
 ) -> Any:
     """Declare a configuration key: its default, help text and constraints.
 
     `flag` replaces the derived `--table-key` name where a shorter one is expected.
+    `aliases` maps old names of choices to their new names: accepted, with a warning.
     """
-    metadata = {"help": help, "min": min, "max": max, "choices": choices, "check": check, "flag": flag}
+    metadata = {
+        "help": help,
+        "min": min,
+        "max": max,
+        "choices": choices,
+        "check": check,
+        "flag": flag,
+        "aliases": aliases or {},
+    }
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -111,6 +122,15 @@ def _coerce(key: _Key, value: Any, *, from_text: bool) -> Any:
     if not ok:
         raise ValueError(f"must be {_TYPE_NAMES[tp]}, got {value!r}")
     meta = key.field.metadata
+    if isinstance(value, str) and value in meta["aliases"]:
+        new = meta["aliases"][value]
+        # FutureWarning: shown to the user who wrote it (DeprecationWarning is hidden outside __main__).
+        warnings.warn(
+            f"{key.flag} (key '{key.dotted}'): {value!r} is the old name of {new!r}; it will go, use {new!r}",
+            FutureWarning,
+            stacklevel=2,
+        )
+        value = new
     if meta["min"] is not None and value < meta["min"]:
         raise ValueError(f"must be >= {meta['min']}, got {value!r}")
     if meta["max"] is not None and value > meta["max"]:

@@ -45,7 +45,7 @@ EDGES = 3
 ROUNDS = 180  # both runs train until the gateway closed this many rounds
 GATEWAY_FLAGS = [
     "--gateway-quorum", "2", "--gateway-round-deadline-s", "0.25", "--gateway-max-staleness", "50",
-    "--gateway-weighting", "progress", "--gateway-edge-lr", "0.01", "--gateway-momentum", "0.9",
+    "--gateway-weighting", "buffered", "--gateway-edge-lr", "0.01", "--gateway-momentum", "0.9",
     "--gateway-checkpoint-every-rounds", "5", "--gateway-checkpoint-keep", "3",
 ]  # fmt: skip
 EDGE_FLAGS = [

@@ -199,3 +199,25 @@ def test_gateway_refuses_a_downlink_it_does_not_know(capsys: pytest.CaptureFixtu
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "--gateway-downlink" in err and "full or topk" in err
+
+
+def test_the_buffered_rule_is_the_default_and_the_old_names_still_load_with_a_warning(
+    tmp_path: Path,
+) -> None:
+    printed = run_cli("cloud", "serve", "--print-config")
+    assert printed.returncode == 0, printed.stderr
+    assert 'weighting = "buffered"' in printed.stdout
+    for mode in ("standalone", "hybrid"):
+        assert cfg.load(CloudConfig, None, {"mode": mode}).gateway.weighting == "buffered"
+    for old, new in (("progress", "buffered"), ("success", "mean-step"), ("auto", "buffered")):
+        with pytest.warns(FutureWarning, match=f"--gateway-weighting.*'{old}' is the old name of '{new}'"):
+            assert cfg.load(CloudConfig, None, {"gateway.weighting": old}).gateway.weighting == new
+        path = write(tmp_path, f'[gateway]\nweighting = "{old}"\n', "cloud.toml")
+        with pytest.warns(FutureWarning, match=f"'{old}' is the old name of '{new}'"):
+            assert cfg.load(CloudConfig, path).gateway.weighting == new
+    with pytest.raises(cfg.ConfigError, match="must be one of buffered, mean-step; got 'fedavg'"):
+        cfg.load(CloudConfig, None, {"gateway.weighting": "fedavg"})
+    old_flag = run_cli("cloud", "serve", "--gateway-weighting", "success", "--print-config")
+    assert old_flag.returncode == 0 and 'weighting = "mean-step"' in old_flag.stdout
+    assert "FutureWarning" in old_flag.stderr
+    assert "'success' is the old name of 'mean-step'" in old_flag.stderr

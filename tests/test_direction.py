@@ -103,7 +103,8 @@ def test_momentum_is_applied_once_the_gateway_says_where() -> None:
     model = _model()
     assert edge_push(torch.optim.SGD(model.parameters(), lr=0.1)) == "step"
     assert edge_push(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)) == "gradient"
-    assert edge_push(torch.optim.Adam(model.parameters())) == "gradient"
+    # FedAdam (cloud/server_optimizers.py): the clients' move is the pseudo-gradient (Reddi et al.).
+    assert edge_push(torch.optim.Adam(model.parameters())) == "step"
     assert edge_push(None) == "gradient"  # a cloud trainer's optimizer steps the model (hybrid)
 
 

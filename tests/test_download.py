@@ -19,7 +19,7 @@ import torch
 from test_gateway import Peer, grads_for
 from torch import nn
 
-from cloud.aggregation import DeadlineQuorum, SuccessWeighted
+from cloud.aggregation import DeadlineQuorum, MeanStep
 from cloud.gateway import Gateway, GatewayOptions
 from edge.download import ModelDownload
 from edge.pacing import Backlog, LinkMeter, UploadCap
@@ -257,7 +257,7 @@ def gateway() -> Iterator[Gateway]:
         model,
         torch.optim.SGD(model.parameters(), lr=0.1),
         GatewayOptions(bind="tcp://127.0.0.1:0", model_versions_kept=2, max_chunk_bytes=2048),
-        weighting=SuccessWeighted(max_staleness=1),
+        weighting=MeanStep(max_staleness=1),
         rounds=DeadlineQuorum(deadline_s=60.0, quorum=1),
     )
     gw.bind()

@@ -20,7 +20,7 @@ import pytest
 import torch
 from fleet import applied_by_layer, audit, edge, free_port, gateway_process, gateway_thread, model_bytes
 
-from cloud.aggregation import DeadlineQuorum, SuccessWeighted
+from cloud.aggregation import DeadlineQuorum, MeanStep
 from cloud.gateway import Gateway, GatewayOptions
 from common.checkpoint import read_tensors
 from common.tasks.digits import build_model
@@ -38,7 +38,7 @@ def test_a_lossless_round_equals_the_hand_computed_success_weighted_step(tmp_pat
         model,
         torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
         GatewayOptions(bind="tcp://127.0.0.1:0"),
-        weighting=SuccessWeighted(),
+        weighting=MeanStep(),
         rounds=DeadlineQuorum(deadline_s=120.0, quorum=2),  # the round waits for both edges
     )
     stop = threading.Event()

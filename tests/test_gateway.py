@@ -12,12 +12,12 @@ import zmq
 from torch import nn
 
 from cloud.aggregation import (
+    Buffered,
     CosineDecay,
     DeadlineQuorum,
     LayerAccumulator,
-    LocalProgress,
+    MeanStep,
     OpenRound,
-    SuccessWeighted,
     staleness_weight,
 )
 from cloud.delivery import DeliveryPace
@@ -95,7 +95,7 @@ def gateway() -> Iterator[Gateway]:
         model,
         torch.optim.SGD(model.parameters(), lr=0.5),
         GatewayOptions(bind="tcp://127.0.0.1:0", credit=5, window=64),
-        weighting=SuccessWeighted(max_staleness=1, discount=0.5),
+        weighting=MeanStep(max_staleness=1, discount=0.5),
         rounds=DeadlineQuorum(deadline_s=60.0, quorum=2),
     )
     gw.bind()
@@ -322,13 +322,13 @@ def test_staleness_weights_are_the_fields_polynomial_and_exponential_rules() -> 
     assert staleness_weight(3, 0.5, 0.0) == pytest.approx(0.125)  # exponential only
     assert staleness_weight(1, 0.5, 1.0) == pytest.approx(0.25)  # both
     assert staleness_weight(5, 1.0, 0.0) == 1.0  # none
-    rule = LocalProgress(edge_lr=0.1, gateway_lr=0.2, exponent=0.5)
+    rule = Buffered(edge_lr=0.1, gateway_lr=0.2, exponent=0.5)
     assert rule.scale(8) == pytest.approx(0.5 / 3)
-    assert SuccessWeighted(exponent=0.5).scale(15) == pytest.approx(0.25)
+    assert MeanStep(exponent=0.5).scale(15) == pytest.approx(0.25)
     with pytest.raises(ValueError, match="staleness exponent"):
-        SuccessWeighted(exponent=-1.0)
+        MeanStep(exponent=-1.0)
     with pytest.raises(ValueError, match="staleness exponent"):
-        LocalProgress(edge_lr=0.1, gateway_lr=0.2, exponent=5.0)
+        Buffered(edge_lr=0.1, gateway_lr=0.2, exponent=5.0)
 
 
 def test_accumulator_and_weighting_validate() -> None:
@@ -338,7 +338,7 @@ def test_accumulator_and_weighting_validate() -> None:
     acc.add("b", torch.ones(3) * 8, 2, 0.5)
     torch.testing.assert_close(acc.average(), torch.full((3,), (2 + 0.5 * 8) / 4))
     with pytest.raises(ValueError, match="discount"):
-        SuccessWeighted(discount=0.0)
+        MeanStep(discount=0.0)
     with pytest.raises(ValueError, match="quorum"):
         DeadlineQuorum(quorum=0)
 
@@ -429,7 +429,7 @@ def _progress_gateway(expected: int, clock: Callable[[], float] = time.monotonic
         model,
         torch.optim.SGD(model.parameters(), lr=0.5),
         GatewayOptions(bind="tcp://127.0.0.1:0"),
-        weighting=LocalProgress(edge_lr=0.1, gateway_lr=0.5, max_staleness=4, expected=expected),
+        weighting=Buffered(edge_lr=0.1, gateway_lr=0.5, max_staleness=4, expected=expected),
         rounds=DeadlineQuorum(deadline_s=60.0, quorum=expected),
         clock=clock,
     )
@@ -462,9 +462,9 @@ def test_local_progress_is_the_mean_of_the_edges_moves() -> None:
     finally:
         gw.close()
     with pytest.raises(ValueError, match="learning rates must be > 0"):
-        LocalProgress(edge_lr=0.0, gateway_lr=0.5)
+        Buffered(edge_lr=0.0, gateway_lr=0.5)
     with pytest.raises(ValueError, match="expected contributions"):
-        LocalProgress(edge_lr=0.1, gateway_lr=0.5, expected=0)
+        Buffered(edge_lr=0.1, gateway_lr=0.5, expected=0)
 
 
 def _gateway(**options: object) -> Gateway:
@@ -626,7 +626,7 @@ def test_a_full_client_table_forgets_the_device_silent_longest_once_idle() -> No
         gw.close()
 
 
-class BrokenWeighting(SuccessWeighted):
+class BrokenWeighting(MeanStep):
     """A policy with a bug (a user's own object): the service must outlive it."""
 
     def scale(self, staleness: int) -> float:

@@ -124,7 +124,7 @@ def test_started_without_torchrun_it_starts_torchrun_itself(procs: list[Proc]) -
 
 def test_hybrid_gateway_announces_and_judges_by_the_model_it_serves() -> None:
     """Rounds waiting for the trainer do not make an edge stale: it cannot download them yet."""
-    from cloud.aggregation import DeadlineQuorum, SuccessWeighted
+    from cloud.aggregation import DeadlineQuorum, MeanStep
     from cloud.gateway import Gateway, GatewayOptions
     from cloud.hybrid import EdgeRounds
     from tests.test_gateway import Peer, grads_for, make_model
@@ -134,7 +134,7 @@ def test_hybrid_gateway_announces_and_judges_by_the_model_it_serves() -> None:
         make_model(),
         None,
         GatewayOptions(bind="tcp://127.0.0.1:0"),
-        weighting=SuccessWeighted(max_staleness=1),
+        weighting=MeanStep(max_staleness=1),
         rounds=DeadlineQuorum(deadline_s=60.0, quorum=1),
         update=rounds,
     )

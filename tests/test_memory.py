@@ -23,7 +23,7 @@ from fleet import Proc, free_port, gateway_process, pumped
 from memory_probe import build_model
 from scripted import ScriptedDevice
 
-from cloud.aggregation import DeadlineQuorum, SuccessWeighted
+from cloud.aggregation import DeadlineQuorum, MeanStep
 from cloud.durability import GatewayCheckpoints
 from cloud.gateway import Gateway, GatewayOptions
 from common.tasks.digits import build_model as digits_model
@@ -40,7 +40,7 @@ def probe_gateway(directory: Path, endpoint: str) -> Gateway:
         model,
         torch.optim.SGD(model.parameters(), lr=0.001),
         GatewayOptions(bind=endpoint),
-        weighting=SuccessWeighted(max_staleness=1_000_000),
+        weighting=MeanStep(max_staleness=1_000_000),
         rounds=DeadlineQuorum(deadline_s=0.2, quorum=1),
         checkpoints=GatewayCheckpoints(str(directory), every_rounds=1),
     )

@@ -44,7 +44,7 @@ ROUNDS = 150  # training stops once the gateway closed this many rounds ...
 TRAIN_CAP_S = 30.0  # ... or after this long, whichever comes first
 GATEWAY_FLAGS = [
     "--gateway-quorum", "2", "--gateway-round-deadline-s", "0.25", "--gateway-max-staleness", "50",
-    "--gateway-weighting", "progress", "--gateway-edge-lr", "0.01", "--gateway-lr-decay-rounds", str(ROUNDS),
+    "--gateway-weighting", "buffered", "--gateway-edge-lr", "0.01", "--gateway-lr-decay-rounds", str(ROUNDS),
 ]  # fmt: skip
 # Gateway momentum by the size of a round's moves.  On a fast lossy link rounds close every few
 # dozen local steps (lr 0.01), and momentum 0.9 makes up for the small moves; at 1 Mbit/s each push
