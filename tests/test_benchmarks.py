@@ -112,6 +112,35 @@ def test_convergence_benchmark_writes_its_csv_plot_and_figures(tmp_path: Path) -
 
 
 @pytest.mark.slow
+def test_noniid_benchmark_quick_reports_consistent_figures() -> None:
+    result = subprocess.run(
+        [sys.executable, "benchmarks/noniid.py", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    f = json.loads(result.stdout.strip().splitlines()[-1])
+    runs = f["runs"]
+    assert set(runs) == {"reference", "defaults dirichlet:0.1", "best dirichlet:0.1", "fedavg dirichlet:0.1"}
+    assert f["audit_exact"] is True, (f, result.stderr[-4000:])
+    assert f["default_noniid_acc"] == runs["defaults dirichlet:0.1"]["acc"]
+    assert f["default_noniid_gap_pts"] == pytest.approx(
+        100 * (f["iid_lossless_acc"] - f["default_noniid_acc"]), abs=0.01
+    )
+    assert f["fedavg_noniid_acc"] == runs["fedavg dirichlet:0.1"]["acc"]
+    sites = runs["defaults dirichlet:0.1"]["sites"]
+    assert len(sites) == 4 and f["worst_site_acc"] == min(sites)
+    # The site figures weigh per-class accuracy by each site's label mix: their mean, weighted by the
+    # sites' sizes, is near the test accuracy, and a skewed partition makes them differ.
+    assert all(0.0 <= a <= 1.0 for a in sites) and max(sites) - min(sites) > 0.0
+    # The gateway's new defaults weigh stale work instead of dropping it (the old max 8 dropped 30%).
+    assert f["stale_dropped_share"] <= 0.05, f
+    assert f["lm_bpb_gap"] is None and f["lm"] is None  # --quick leaves the text task out
+
+
+@pytest.mark.slow
 @pytest.mark.netns
 def test_wan_benchmark_quick_reports_consistent_figures(tmp_path: Path) -> None:
     """benchmarks/wan.py --quick: every key, the count audit, and figures that agree with its CSV.

@@ -207,3 +207,83 @@ def test_kill_9_of_the_gateway_three_times_and_an_edge_twice_loses_nothing_durab
     # The path that matters was taken: a dead gateway's acknowledged pushes were sent again.
     assert sum(e["lost_by_gateway_resent"] for e in figures["edges"].values()) > 0, figures
     assert gw["accuracy"] >= reference["gateway"]["accuracy"] - 0.03, figures
+
+
+def test_cloud_serve_with_its_defaults_trains_through_loss_and_three_gateway_kills(
+    tmp_path: Path, procs: list[Proc]
+) -> None:
+    """Issue 20's scenario: nothing set but what a deployment must say (bind, checkpoint folder,
+    standalone); 2 edges with the edge's defaults at 30% message loss; the gateway killed -9 and
+    restarted 3 times, at moments set by edge 0's local steps (a restarted gateway resumes from its
+    newest checkpoint, every 10 rounds or 30 s by default, and edges re-send what no checkpoint
+    held).  With the old default weighting (mean-step) this ended at 25.6%; measured 96.7% now."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    folder = tmp_path / "gateway"
+    argv = [
+        sys.executable, "-m", "common.cli", "cloud", "serve", "--mode", "standalone",
+        "--gateway-bind", endpoint, "--insecure", "--log-level", "warning",
+        "--gateway-checkpoint-dir", str(folder),
+    ]  # fmt: skip
+
+    def start() -> Proc:
+        gateway = Proc(argv, "gateway")
+        procs.append(gateway)
+        gateway.wait_for(lambda e: e.get("event") == "ready", 60, "a ready event")
+        return gateway
+
+    gateway = start()
+    edges = []
+    for i in range(2):
+        edge = Proc(
+            [
+                sys.executable,
+                "-m",
+                "edge",
+                "--gateway",
+                endpoint,
+                "--client-id",
+                f"edge-{i}",
+                "--insecure",
+                "--log-level",
+                "warning",
+                "--train-shard",
+                f"{i}/2",
+                "--faults",
+                f"loss=0.3,seed={i + 1}",
+                "--state-dir",
+                str(tmp_path / f"edge-{i}"),
+                "--train-max-steps",
+                "2500",
+                "--train-epochs",
+                "100000",
+                "--status-every-s",
+                "0.2",
+            ],  # fmt: skip
+            f"edge-{i}",
+        )
+        procs.append(edge)
+        edges.append(edge)
+    resumed = []
+    for moment in (400, 1000, 1600):  # edge 0's local steps when the gateway dies (versions roll back)
+        edges[0].wait_for(
+            lambda e, m=moment: e.get("event") == "status" and e["produced"] >= m, 240, f"step {moment}"
+        )
+        gateway.proc.kill()
+        gateway.proc.wait(10)
+        gateway = start()
+        resumed.append(gateway.events[-1].get("resumed_from"))
+    summaries = [edge.summary(240) for edge in edges]
+    gateway.signal(signal.SIGTERM)
+    final = gateway.summary(60)
+    figures = {
+        "accuracy": final["accuracy"],
+        "version": final["version"],
+        "resumed_from": resumed,
+        "undelivered": [s["undelivered_steps"] for s in summaries],
+        "dropped_stale": [sum(s["dropped_stale_steps"].values()) for s in summaries],
+        "produced": [sum(s["produced_steps"].values()) for s in summaries],
+    }
+    print(json.dumps(figures))
+    assert all(r is not None for r in resumed), figures  # each restart resumed from a checkpoint
+    assert figures["accuracy"] >= 0.95, figures
+    assert not any(figures["undelivered"]), figures
