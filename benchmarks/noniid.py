@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         "--best", default=BEST, help="the 'best option' contender: gateway settings, key=value,..."
     )
     parser.add_argument("--lm", action=argparse.BooleanOptionalAction, default=True, help="the text task too")
-    parser.add_argument("--lm-task", default="stdlib-lm-small")
+    parser.add_argument("--lm-task", default="stdlib-lm")
     parser.add_argument("--lm-edges", type=int, default=4)
     parser.add_argument("--lm-time-s", type=float, default=90.0)
     parser.add_argument("--seed", type=int, default=0)
