@@ -165,10 +165,7 @@ def shard(data: Dataset, index: int, parts: int, partition: str = "iid", seed: i
     if kind == "package":
         return _by_group(data, index, parts, seed)
     if kind == "quantity":
-        order = torch.randperm(n, generator=gen)
-        sizes = _dirichlet_sizes(n, parts, alpha, seed, partition)
-        start = sum(sizes[:index])
-        return torch.utils.data.Subset(data, order[start : start + sizes[index]].tolist())
+        return torch.utils.data.Subset(data, _quantity_dirichlet(n, parts, alpha, seed, partition)[index])
     if n and torch.as_tensor(data[0][1]).numel() != 1:
         raise ValueError(
             f"partition {partition!r} splits examples by their label, and this data set's targets are "
@@ -218,11 +215,16 @@ def _seeded_draws(
     )
 
 
-def _dirichlet_sizes(n: int, parts: int, alpha: float, seed: int, spec: str) -> list[int]:
+def _quantity_dirichlet(n: int, parts: int, alpha: float, seed: int, spec: str) -> list[list[int]]:
     def draw() -> list[list[int]]:
-        return [[0] * c for c in _split_counts(n, _dirichlet(alpha, parts))]
+        order = torch.randperm(n).tolist()
+        owned, start = [], 0
+        for count in _split_counts(n, _dirichlet(alpha, parts)):
+            owned.append(sorted(order[start : start + count]))
+            start += count
+        return owned
 
-    return [len(p) for p in _seeded_draws(seed, spec, draw, n, parts)]
+    return _seeded_draws(seed, spec, draw, n, parts)
 
 
 def _label_dirichlet(labels: torch.Tensor, parts: int, alpha: float, seed: int, spec: str) -> list[list[int]]:
