@@ -8,7 +8,8 @@ classes) and `shards` (two label-sorted slices per site).  Contenders, one run:
 
 - defaults: `cloud serve`'s gateway settings and `elasticfed edge`'s local
   learning rate (the task's), nothing else set;
-- best: the defaults plus `--best` (gateway settings as key=value; the best
+- best: the defaults plus `--best` (gateway settings and the edges' `prox_mu`, as
+  key=value; the best
   option found, see the README);
 - fedavg: synchronous FedAvg on the same partition (benchmarks/convergence.py:
   every round all clients, one local epoch of at most 50 steps, the model down
@@ -35,6 +36,7 @@ import io
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -129,17 +131,22 @@ def run_ours(name: str, config: DemoConfig, gateway: dict[str, Any] | None = Non
     return figures
 
 
-def parse_best(text: str) -> dict[str, Any]:
-    """`optimizer=adam,lr=0.01` -> GatewaySettings overrides, typed like the defaults."""
-    g = GatewaySettings()
-    out: dict[str, Any] = {}
+def parse_best(text: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`momentum=0.9,prox_mu=0.1` -> (GatewaySettings overrides, DemoConfig overrides: the edges'),
+    typed like the defaults."""
+    g, d = GatewaySettings(), DemoConfig()
+    gateway: dict[str, Any] = {}
+    edges: dict[str, Any] = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
         key, _, value = item.partition("=")
-        if not hasattr(g, key):
-            raise SystemExit(f"noniid: --best {item!r}: GatewaySettings has no {key!r}")
-        kind = type(getattr(g, key))
-        out[key] = kind(value) if kind is not bool else value.lower() in ("1", "true", "yes")
-    return out
+        if hasattr(g, key):
+            target, kind = gateway, type(getattr(g, key))
+        elif key in ("prox_mu",):
+            target, kind = edges, type(getattr(d, key))
+        else:
+            raise SystemExit(f"noniid: --best {item!r}: neither a gateway setting nor prox_mu")
+        target[key] = kind(value) if kind is not bool else value.lower() in ("1", "true", "yes")
+    return gateway, edges
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drain-s", type=float, default=5.0)
     parser.add_argument("--partitions", default="dirichlet:0.1,shards")
     parser.add_argument(
-        "--best", default=BEST, help="the 'best option' contender: gateway settings, key=value,..."
+        "--best", default=BEST, help="the 'best option' contender: gateway settings and prox_mu, k=v,..."
     )
     parser.add_argument("--lm", action=argparse.BooleanOptionalAction, default=True, help="the text task too")
     parser.add_argument("--lm-task", default="stdlib-lm")
@@ -165,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.time_s, args.edges, args.partitions, args.lm = 12.0, 4, "dirichlet:0.1", False
-    best = parse_best(args.best)
+    best_gateway, best_edges = parse_best(args.best)
     task = load_task("digits")
     partitions = [p for p in args.partitions.split(",") if p]
     t0 = time.monotonic()
@@ -181,12 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     runs["reference"] = {"acc": ref["accuracy"], "audit_ok": ref["audit_ok"], "rounds": ref["rounds"]}
     for partition in partitions:
         mixes = site_mixes(task, partition, args.edges, args.seed)
-        for label, overrides in (("defaults", None), ("best", best)):
-            fig = run_ours(
-                f"{label}, {partition}",
-                defaults("digits", task, args, partition, args.loss, args.edges),
-                overrides,
-            )
+        for label, gateway, edges in (("defaults", None, {}), ("best", best_gateway, best_edges)):
+            config = replace(defaults("digits", task, args, partition, args.loss, args.edges), **edges)
+            fig = run_ours(f"{label}, {partition}", config, gateway)
             runs[f"{label} {partition}"] = {
                 "acc": fig["accuracy"],
                 "sites": site_accuracies(task, fig["model_state"], mixes),

@@ -297,6 +297,9 @@ class DemoConfig:
         aliases=WEIGHTING_ALIASES,
     )
     drain_s: float = setting(30.0, "at the end, how long edges may take to deliver what they hold", min=0.0)
+    prox_mu: float = setting(
+        0.0, "FedProx's mu on the edges' local steps (edge/drift.py; 0: off)", min=0.0, max=1000.0
+    )
     momentum: float = setting(
         0.9,
         "momentum of the gateway's SGD; the demo's edges take small local steps (edge_lr) and adopt "

@@ -168,6 +168,8 @@ def _edge_argv(config: DemoConfig, i: int, endpoint: str, security: list[str]) -
         "100000",
         "--train-lr",
         str(config.edge_lr),
+        "--train-prox-mu",
+        str(config.prox_mu),
         "--status-every-s",
         "0.5",
         "--drain-s",

@@ -34,6 +34,7 @@ from common.hooks import GradientHooks, pack_by_size, trainable_parameters
 from edge.cache import GradientCache
 from edge.compression import Compression, UplinkCompression
 from edge.direction import Direction, RawGradient, SgdDirection
+from edge.drift import Proximal
 from edge.session import EdgeSession, SessionOptions
 from protocol import Manifest
 
@@ -56,6 +57,7 @@ class ElasticEdge(nn.Module):
         start: bool = True,
         compression: str | Compression = "auto",
         audit: bool = False,
+        proximal_mu: float = 0.0,
     ) -> None:
         super().__init__()
         if sync_every < 1:
@@ -75,6 +77,8 @@ class ElasticEdge(nn.Module):
             audit=audit,
         )
         self._by_name = dict(named)
+        # FedProx (edge/drift.py): each step pulled back towards the last adopted global model.
+        self.drift = Proximal([p for _, p in named], proximal_mu) if proximal_mu else None
         self.version = model_version  # the global model version this edge trains from
         self.steps = 0  # backwards that reached the sink
         self.models_adopted = 0
@@ -118,6 +122,8 @@ class ElasticEdge(nn.Module):
                 param.copy_(layer.payload.tensor, non_blocking=True)
         self.version = model.version
         self.models_adopted += 1
+        if self.drift is not None:
+            self.drift.rebase(list(self._by_name.values()))
         # Pushing its steps, the edge restarts their momentum with each global model; pushing raw
         # gradients (a no-op restart) it leaves the local optimizer as the user runs it.
         self.direction.restart()
@@ -149,6 +155,8 @@ class ElasticEdge(nn.Module):
     # ------------------------------------------------------------ GradientSink
     def unit_ready(self, unit: int) -> None:
         params = [self.hooks.params[i] for i in self.hooks.plan[unit]]
+        if self.drift is not None:
+            self.drift.pull(params)  # before the pushed direction and the local step read .grad
         direction = self.direction
         grads = [None if p.grad is None else direction(p, p.grad) for p in params]
         if not _finite(grads):

@@ -32,6 +32,14 @@ class EdgeTrain:
     duration_s: float = setting(0.0, "stop after training this many seconds (0: no limit)", min=0.0)
     batch_size: int = setting(0, "examples per step (0: the task's default)", min=0)
     lr: float = setting(0.0, "local SGD learning rate (0: the task's default)", min=0.0)
+    prox_mu: float = setting(
+        0.0,
+        "FedProx's mu: each local step also pulls the model towards the last adopted global model by "
+        "mu (w - w_global), bounding how far an edge on skewed data drifts (0: off; 0.01-1 in Li et "
+        "al.; costs one copy of the model)",
+        min=0.0,
+        max=1000.0,
+    )
     seed: int = setting(0, "seed for model initialisation and shuffling", min=0)
     shard: str = setting(
         "", "train on part i of n of the task's data, as 'i/n' (empty: all)", check=shard_spec

@@ -195,6 +195,7 @@ def run(args: argparse.Namespace, config: EdgeConfig) -> int:
             pack_cap_bytes=config.pack_cap_kib * 1024,
             compression=config.compression,
             audit=config.audit_mass,
+            proximal_mu=config.train.prox_mu,
         )
     except (OSError, CheckpointError) as exc:
         print(f"elasticfed edge: error: --state-dir {config.state_dir}: {exc}", file=sys.stderr)
