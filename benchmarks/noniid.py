@@ -9,8 +9,7 @@ classes) and `shards` (two label-sorted slices per site).  Contenders, one run:
 - defaults: `cloud serve`'s gateway settings and `elasticfed edge`'s local
   learning rate (the task's), nothing else set;
 - best: the defaults plus `--best` (gateway settings and the edges' `prox_mu`, as
-  key=value; the best
-  option found, see the README);
+  key=value; the best option found, see the README);
 - fedavg: synchronous FedAvg on the same partition (benchmarks/convergence.py:
   every round all clients, one local epoch of at most 50 steps, the model down
   and up over a link losing 30% of messages, retried every 100 ms);
