@@ -27,6 +27,7 @@ from common.keys import EnrolledDevices, KeyFolder, KeyPair
 log = logging.getLogger("elasticfed.gateway")
 
 ZAP_DOMAIN = "elasticfed"
+ZAP_BIND_WAIT_S = 2.0  # how long a new gateway waits for an old one's ZAP endpoint to be released
 
 
 class _Authenticator(ThreadAuthenticator):
@@ -87,9 +88,7 @@ class CurveAdmission:
     def secure(self, sock: zmq.Socket) -> None:
         """Before bind: CURVE server on `sock`, with the ZAP thread started in its context."""
         if self._auth is None:
-            self._auth = _Authenticator(sock.context, self)
-            self._auth.start()
-            self._auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=self._auth)
+            self._auth = self._start_authenticator(sock.context)
         sock.curve_server = True
         sock.curve_publickey = self.keys.public
         sock.curve_secretkey = self.keys.secret
@@ -98,6 +97,33 @@ class CurveAdmission:
         # answers (RFC 27's old default); with it, such a handshake fails instead (libzmq >= 4.3).
         if hasattr(zmq, "ZAP_ENFORCE_DOMAIN"):
             sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+
+    def _start_authenticator(self, context: zmq.Context) -> _Authenticator:
+        """The ZAP thread, bound to the context's one ZAP endpoint (inproc://zeromq.zap.01).
+
+        A gateway stopped earlier in this process (a restart, a test) releases that endpoint
+        asynchronously: libzmq's reaper unbinds it after the old handler's socket closed.  A bind
+        that finds it still taken is retried until ZAP_BIND_WAIT_S; a failed start leaves nothing
+        half-started behind (once, a half-started handler stayed set after such a failure and
+        every later handshake failed: no ZAP handler answered).
+        """
+        deadline = time.monotonic() + ZAP_BIND_WAIT_S
+        while True:
+            auth = _Authenticator(context, self)
+            try:
+                auth.start()
+            except zmq.ZMQError as exc:
+                auth.stop()  # closes the ZAP socket its failed bind created
+                if exc.errno != zmq.EADDRINUSE or time.monotonic() >= deadline:
+                    raise zmq.ZMQError(
+                        exc.errno,
+                        f"cannot start the CURVE authenticator: the ZAP endpoint of this process is "
+                        f"taken ({exc}); is another gateway still running in this process?",
+                    ) from exc
+                time.sleep(0.01)  # the reaper thread releases it; nothing to wait on but time
+                continue
+            auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=auth)
+            return auth
 
     def identity(self, frame: Any) -> str | None:
         """The enrolled name of the key behind a received frame; None if none (or revoked since)."""
