@@ -189,7 +189,19 @@ def import_state(
         counts = applied[str(cid)] = [0] * len(gateway.names)
         for name, n in by_layer.items():
             counts[gateway.layer_index[name]] = int(n)
-    load_optimizer_state(gateway.optimizer, tensors, meta["optimizer"])
+    saved_optimizer = meta["optimizer"].get("optimizer") if isinstance(meta["optimizer"], dict) else None
+    if saved_optimizer is not None and saved_optimizer != type(gateway.optimizer).__name__:
+        # --gateway-optimizer changed between runs: what was applied and acknowledged stays (the
+        # model, the versions, every edge's verdicts); only the optimizer's moments start afresh.
+        log.warning(
+            "checkpoint %s holds %s state and the gateway's optimizer is now %s: the model, versions "
+            "and verdicts are restored, the optimizer starts fresh",
+            path,
+            saved_optimizer,
+            type(gateway.optimizer).__name__,
+        )
+    else:
+        load_optimizer_state(gateway.optimizer, tensors, meta["optimizer"])
     with torch.no_grad():
         for name, param in zip(gateway.names, gateway.params):
             param.copy_(tensors[MODEL_PREFIX + name])

@@ -200,3 +200,31 @@ def test_serve_refuses_contradictory_optimizer_settings(capsys: pytest.CaptureFi
 
     assert main(["cloud", "serve", "--gateway-optimizer", "adam", "--gateway-momentum", "0.5"]) == 2
     assert "--gateway-momentum 0.5 is SGD's" in capsys.readouterr().err
+
+
+def test_a_gateway_restarted_with_another_optimizer_keeps_what_was_applied(tmp_path: Path) -> None:
+    """Changing --gateway-optimizer between runs must not throw acknowledged work away: the model,
+    version and verdicts come back, only the optimizer's state starts fresh."""
+    checkpoints = GatewayCheckpoints(tmp_path / "ckpt", every_rounds=1, keep=3)
+    first = two_edge_gateway(lambda ps: server_optimizer("sgd", ps, 0.5), 0.5, checkpoints=checkpoints)
+    try:
+        list(rounds_of(first, 2))
+        saved = {n: p.detach().clone() for n, p in zip(first.names, first.params)}
+    finally:
+        first.close()
+    model = make_model()
+    again = Gateway(
+        model,
+        server_optimizer("adam", model.parameters(), 0.01),
+        GatewayOptions(bind="tcp://127.0.0.1:0"),
+        checkpoints=GatewayCheckpoints(tmp_path / "ckpt", every_rounds=1, keep=3),
+    )
+    try:
+        assert again.checkpoints is not None and again.checkpoints.restore(again) is not None
+        assert again.checkpoints.skipped == []
+        assert again.version == 2 and set(again.clients) == {"a", "b"}
+        for n, p in zip(again.names, again.params):
+            torch.testing.assert_close(p.detach(), saved[n], rtol=0, atol=0)
+        assert not again.optimizer.state  # type: ignore[union-attr]  # fresh moments
+    finally:
+        again.close()
