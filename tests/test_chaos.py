@@ -254,7 +254,7 @@ def test_cloud_serve_with_its_defaults_trains_through_loss_and_three_gateway_kil
                 "--state-dir",
                 str(tmp_path / f"edge-{i}"),
                 "--train-max-steps",
-                "3000",
+                "4000",
                 "--train-epochs",
                 "100000",
                 "--status-every-s",
