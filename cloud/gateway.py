@@ -918,7 +918,7 @@ class Gateway:
             steps = [n if avg is not None else 0 for n, avg in zip(rnd.layer_steps, averages)]
             self.update.apply(rnd.number, averages, steps)
             if self.update.publishes:
-                self._refuse_a_broken_model(rnd.number)
+                self._refuse_a_broken_model(rnd.number, averages)
         self.version += 1
         if self.update.publishes:
             self.publish(self.version)
@@ -945,10 +945,15 @@ class Gateway:
             self.on_round(summary)
         return summary
 
-    def _refuse_a_broken_model(self, round_number: int) -> None:
+    def _refuse_a_broken_model(self, round_number: int, averages: Sequence[torch.Tensor | None]) -> None:
         """Stop before serving or saving a model the round made non-finite (the averages were finite:
-        the optimizer overflowed it, e.g. a learning rate far too large for the task)."""
-        broken = [name for name, p in zip(self.names, self.params) if not bool(torch.isfinite(p).all())]
+        the optimizer overflowed it, e.g. a learning rate far too large for the task).  Only the
+        layers the round updated are read: an optimizer leaves the others as they were."""
+        broken = [
+            name
+            for name, p, avg in zip(self.names, self.params, averages)
+            if avg is not None and not bool(torch.isfinite(p).all())
+        ]
         if not broken:
             return
         self.diverged = (

@@ -24,7 +24,7 @@ class Proximal:
     """mu (w - w_anchor) added to each parameter's gradient; the anchor moves with each adopted model."""
 
     def __init__(self, params: Sequence[torch.Tensor], mu: float) -> None:
-        if not mu > 0.0 or mu != mu or mu == float("inf"):
+        if not 0.0 < mu < float("inf"):  # NaN fails it too
             raise ValueError(f"the proximal mu must be a finite number above 0, got {mu}")
         self.mu = mu
         self._anchor = {id(p): p.detach().clone() for p in params}
@@ -39,5 +39,5 @@ class Proximal:
         """Add mu (w - w_anchor) to the gradients backward just finished (in place)."""
         with torch.no_grad():
             for p in params:
-                if p.grad is not None:
-                    p.grad.add_(p.detach() - self._anchor[id(p)], alpha=self.mu)
+                if p.grad is not None:  # in place, no temporary: this runs in the backward hook
+                    p.grad.add_(p, alpha=self.mu).sub_(self._anchor[id(p)], alpha=self.mu)
