@@ -12,6 +12,7 @@ from common.shared_settings import (
     log_level_setting,
     metrics_setting,
     partition_spec,
+    problem_of,
     shard_spec,
     task_setting,
     tcp_endpoint,
@@ -22,11 +23,7 @@ def downlink_spec(value: str) -> str | None:
     """The `--gateway-downlink` syntax (cloud/publication.py), checked when a config loads."""
     from cloud.publication import downlink_ratio  # torch: not for `--help`
 
-    try:
-        downlink_ratio(value)
-    except ValueError as exc:
-        return str(exc)
-    return None
+    return problem_of(downlink_ratio, value)
 
 
 # The names before 2026-12: `auto` chose progress standalone and success in hybrid mode.

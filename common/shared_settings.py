@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 from common.config import setting
@@ -22,15 +23,20 @@ def task_spec(value: str) -> str | None:
     return f"must be a built-in task ({', '.join(BUILT_IN)}) or look like 'package.module:function'"
 
 
+def problem_of(parse: Callable[[str], object], value: str) -> str | None:
+    """A parser's ValueError as a config check's answer: the parser stays the one place that knows."""
+    try:
+        parse(value)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def partition_spec(value: str) -> str | None:
     """How shards split a task's data (`common.task.shard`), checked when a config loads."""
     from common.task import parse_partition  # torch: not for `--help`
 
-    try:
-        parse_partition(value)
-    except ValueError as exc:
-        return str(exc)
-    return None
+    return problem_of(parse_partition, value)
 
 
 def tcp_endpoint(value: str) -> str | None:
