@@ -41,8 +41,8 @@ class Weighting(Protocol):
 
     def admit(self, staleness: int) -> bool: ...
 
-    def scale(self, staleness: int) -> float:
-        """Factor on the contribution's sum."""
+    def scale(self, staleness: int, lr: float | None = None) -> float:
+        """Factor on the contribution's sum; `lr`: the rate the edge says its sum is in units of."""
         ...
 
     def share(self, count: int) -> int:
@@ -84,7 +84,9 @@ class MeanStep:
     def admit(self, staleness: int) -> bool:
         return staleness <= self.max_staleness
 
-    def scale(self, staleness: int) -> float:
+    def scale(self, staleness: int, lr: float | None = None) -> float:
+        # A mean step is in gradient units whatever rate the edge ran at: the gateway's own rate
+        # makes it a move.
         return staleness_weight(staleness, self.discount, self.exponent)
 
     def share(self, count: int) -> int:
@@ -96,16 +98,19 @@ class MeanStep:
 
 @dataclass(frozen=True)
 class Buffered:
-    """sum of (edge_lr / gateway_lr) * discount**staleness * sum, over max(contributions, expected).
+    """sum of (lr / gateway_lr) * discount**staleness * sum, over max(contributions, expected).
 
-    The ratio turns an edge's local move into a gradient for the gateway's
-    optimizer: with plain SGD and a full round the update is exactly the mean of
-    the edges' moves (FedAvg).  A round that closed on its deadline with fewer
-    contributions than `expected` (the quorum) still divides by `expected`, as
-    FedBuff divides by its buffer size: otherwise one edge's delivery of hundreds
-    of local steps would move the whole model as far as that edge moved, and the
-    next round another edge's would pull it back (measured at 1 Mbit/s: the final
-    accuracy swung between 82% and 95%).
+    `lr` is the learning rate the contribution says its sum is in units of (each
+    step entered it times its own rate over that one, edge/agent.py), so lr x sum
+    is how far the edge's model moved, whatever rates and schedules each edge ran;
+    `edge_lr` stands in for an edge that does not say.  The ratio turns that move
+    into a gradient for the gateway's optimizer: with plain SGD and a full round
+    the update is exactly the mean of the edges' moves (FedAvg).  A round that
+    closed on its deadline with fewer contributions than `expected` (the quorum)
+    still divides by `expected`, as FedBuff divides by its buffer size: otherwise
+    one edge's delivery of hundreds of local steps would move the whole model as
+    far as that edge moved, and the next round another edge's would pull it back
+    (measured at 1 Mbit/s: the final accuracy swung between 82% and 95%).
     """
 
     edge_lr: float
@@ -127,8 +132,9 @@ class Buffered:
     def admit(self, staleness: int) -> bool:
         return staleness <= self.max_staleness
 
-    def scale(self, staleness: int) -> float:
-        return self.edge_lr / self.gateway_lr * staleness_weight(staleness, self.discount, self.exponent)
+    def scale(self, staleness: int, lr: float | None = None) -> float:
+        rate = lr or self.edge_lr
+        return rate / self.gateway_lr * staleness_weight(staleness, self.discount, self.exponent)
 
     def share(self, count: int) -> int:
         return 1

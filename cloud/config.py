@@ -62,7 +62,10 @@ class GatewaySettings:
         aliases=WEIGHTING_ALIASES,
     )
     edge_lr: float = setting(
-        0.0, "the edges' local learning rate, which weighting=buffered needs (0: the task's)", min=0.0
+        0.0,
+        "the local learning rate assumed for edges whose pushes do not say theirs (0: the task's); "
+        "edges that follow an optimizer (the edge CLI does) say it with every push",
+        min=0.0,
     )
     optimizer: str = setting(
         "sgd",

@@ -762,7 +762,7 @@ class Gateway:
             state.record(msg.seq, "", msg.attempt, self._epoch())
             self._ack(route, msg.seq, True, None, "", attempt=msg.attempt, epoch=self._epoch())
             return
-        scale = self.weighting.scale(staleness)
+        scale = self.weighting.scale(staleness, msg.lr or None)
         dense = [layer.payload.to_dense() for layer in msg.layers]
         for layer, tensor in zip(msg.layers, dense):
             # The codec checked the frames; a top-k sum of repeated indices or a low-rank product

@@ -58,10 +58,13 @@ class ElasticEdge(nn.Module):
         compression: str | Compression = "auto",
         audit: bool = False,
         proximal_mu: float = 0.0,
+        lr: float | None = None,
     ) -> None:
         super().__init__()
         if sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+        if lr is not None and not (math.isfinite(lr) and 0 < lr <= 1000):
+            raise ValueError(f"lr must be in (0, 1000], got {lr}")
         if isinstance(compression, str):
             compression = UplinkCompression.parse(compression)
         self.module = module
@@ -86,7 +89,8 @@ class ElasticEdge(nn.Module):
         # are neither produced nor sent, and the edge fetches the global model again.
         self.nonfinite_steps = 0
         self._diverged = False
-        self._follower: Direction | None = None  # the optimizer's step, when the gateway wants it
+        self.lr = lr  # the local rate, where no followed optimizer says it
+        self._followed: SgdDirection | None = None  # the optimizer whose steps (and rates) we know
         self.session = EdgeSession(options, self.manifest, self.cache, model_version)
         self.hooks = GradientHooks(named, self, plan)
         if start:
@@ -95,14 +99,18 @@ class ElasticEdge(nn.Module):
     def follow(self, optimizer: torch.optim.Optimizer) -> None:
         """Push what `optimizer.step()` moves each parameter by (over its learning rate) instead of
         the raw gradient, where the gateway applies no momentum of its own (it says which in its
-        welcome): with momentum the two differ tenfold (edge/direction.py)."""
-        self._follower = SgdDirection(optimizer)
+        welcome): with momentum the two differ tenfold (edge/direction.py).  Its rates, schedules
+        included, weigh each step, so the gateway needs no edge learning rate of its own.
+
+        Without `follow` (or `lr=`), pushes say no rate and the gateway assumes its configured one.
+        """
+        self._followed = SgdDirection(optimizer)
 
     @property
     def direction(self) -> Direction:
         """What a step pushes: momentum is applied once, here or at the gateway (its welcome says)."""
-        if self._follower is not None and self.session.push == "step":
-            return self._follower
+        if self._followed is not None and self.session.push == "step":
+            return self._followed
         return _RAW
 
     # -------------------------------------------------------------------- forward
@@ -159,6 +167,13 @@ class ElasticEdge(nn.Module):
             self.drift.pull(params)  # before the pushed direction and the local step read .grad
         direction = self.direction
         grads = [None if p.grad is None else direction(p, p.grad) for p in params]
+        rates = self._rates(params)
+        if rates is not None:
+            # Each step enters the sums times its rate over the cache's unit: the gateway then turns
+            # any sum into the move it made (unit x sum), whatever schedule ran.  At a constant
+            # rate the factor is 1 and nothing is computed.
+            unit_lr = self.cache.rate_unit(rates[0])
+            grads = [g if g is None or r == unit_lr else g * (r / unit_lr) for g, r in zip(grads, rates)]
         if not _finite(grads):
             # One NaN would poison every later step summed with it, and the gateway refuses it.
             self._diverged = True
@@ -166,6 +181,14 @@ class ElasticEdge(nn.Module):
         self.cache.add(unit, grads, self.version)
         if (self.steps + 1) % self.sync_every == 0:
             self.session.request_sync([unit])
+
+    def _rates(self, params: list[nn.Parameter]) -> list[float] | None:
+        """Each parameter's learning rate this step; None where nobody said (the gateway assumes)."""
+        if self._followed is not None:
+            return [self._followed.lr(p) for p in params]
+        if self.lr is not None:
+            return [self.lr] * len(params)
+        return None
 
     def backward_done(self) -> None:
         self.steps += 1

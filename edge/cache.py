@@ -153,6 +153,9 @@ class GradientCache:
         self.pin_memory = pin_memory
         self.compression = compression if compression is not None and compression.lossy else None
         self.audit = audit
+        # The learning rate every sum here is in units of (edge/agent.py): the first rate a step ran
+        # at, kept for good (saved) so sums cached before a schedule changed it still add up.
+        self.lr: float | None = None
         self.units: list[UnitState] = []
         for u, layers in enumerate(units):
             dtypes = {dtype for _, _, dtype in layers}
@@ -187,6 +190,12 @@ class GradientCache:
         return torch.empty(numel, dtype=dtype, pin_memory=self.pin_memory)
 
     # ------------------------------------------------------------- training thread
+    def rate_unit(self, lr: float) -> float:
+        """The rate the sums are in units of, fixed by the first positive `lr` offered."""
+        if self.lr is None and lr > 0:
+            self.lr = lr
+        return self.lr if self.lr is not None else 1.0
+
     def add(self, u: int, grads: Sequence[torch.Tensor | None], base_version: int) -> None:
         """Add one step-gradient of unit `u` (None for a parameter unused this step: zero)."""
         unit = self.units[u]

@@ -66,6 +66,13 @@ class SgdDirection:
             for p in group["params"]:
                 self._groups[id(p)] = group
 
+    def lr(self, param: torch.Tensor) -> float:
+        """The rate the coming step moves `param` at (a scheduler writes it into the group)."""
+        group = self._groups.get(id(param))
+        if group is None:
+            raise ValueError("a parameter the followed optimizer does not update")
+        return float(group["lr"])
+
     def __call__(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         group = self._groups.get(id(param))
         if group is None:

@@ -162,6 +162,7 @@ def export_state(session: EdgeSession) -> tuple[dict[str, torch.Tensor], dict[st
         "client_id": session.options.client_id,
         "manifest": session.manifest.digest,
         "seq": session.seq,
+        "lr": cache.lr,
         "units": units,
     }
     return tensors, meta
@@ -227,6 +228,9 @@ def import_state(
     if type(units) is not list or len(units) != len(cache.units):
         raise CheckpointError(f"{path}: saved with another packing of layers into units")
     seq = _count(meta["seq"], f"{path}: seq")
+    lr = meta.get("lr")  # absent in files saved before sums had a rate unit
+    if lr is not None and not (type(lr) in (int, float) and math.isfinite(lr) and 0 < lr <= 1000):
+        raise CheckpointError(f"{path}: lr {lr!r} is not a learning rate in (0, 1000]")
     plans = []
     for unit, entry in zip(cache.units, units):
         where = f"{path}: unit {unit.index}"
@@ -328,6 +332,8 @@ def import_state(
                 )
                 flights[fseq] = unit.index
     session.seq = seq
+    if lr is not None:
+        cache.lr = float(lr)
     session._flights = dict(sorted(flights.items()))
     # Saved pending sums go out once a gateway welcomes us, without waiting for new steps.
     session._wanted.update(p.index for p, plan in zip(cache.units, plans) if plan["pending_count"])

@@ -660,6 +660,7 @@ class EdgeSession:
             layers=layers,
             resolved_below=self._oldest_unanswered(),
             attempt=flight.attempts,
+            lr=self.cache.lr or 0.0,
         )
         result = self._send(encode(msg), now, track=True)
         self.upload_cap.take(_nbytes(flight), now)

@@ -183,6 +183,21 @@ class UInt64(Kind):
 
 
 UINT64 = UInt64()
+
+
+class Rate(Kind):
+    """A learning rate: a finite number in (0, MAX], or 0 for "not said"."""
+
+    MAX = 1000.0
+
+    def check(self, value: object, where: str) -> float:
+        ok = type(value) in (int, float) and math.isfinite(value) and 0.0 <= value <= self.MAX
+        if not ok:
+            raise _bad(where, f"a learning rate in (0, {self.MAX:g}], or 0 when not said", value)
+        return float(value)  # type: ignore[arg-type]
+
+
+RATE = Rate()
 ID = Str(256)
 CODE = Str(64)
 VERDICTS = VerdictList()
@@ -269,6 +284,10 @@ class Push(Message):
     # 0 for the first send, n for the n-th re-send; the ack echoes the copy that was applied,
     # so the edge learns whether its re-sends deliver or only duplicate (see edge/session.py).
     attempt: int = wire(UINT, default=0)
+    # The learning rate the sums are in units of: each step's direction entered them times its own
+    # rate over this one, so `lr` x sum is how far the edge's model moved (schedules and rates that
+    # differ per edge included).  0: not said; the gateway assumes its configured edge rate.
+    lr: float = wire(RATE, default=0.0)
 
 
 @dataclass(frozen=True)

@@ -140,7 +140,14 @@ messages = st.one_of(
         next_seq=uints,
         settings=settings,
     ),
-    st.builds(Push, seq=uints, base_version=uints, layers=gradient_layers, resolved_below=uints),
+    st.builds(
+        Push,
+        seq=uints,
+        base_version=uints,
+        layers=gradient_layers,
+        resolved_below=uints,
+        lr=st.floats(0.0, 1000.0, allow_nan=False),
+    ),
     st.builds(
         Ack,
         seq=uints,

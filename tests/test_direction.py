@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
-from fleet import gateway_thread
+from fleet import gateway_thread, serving
 from torch import nn
 
-from cloud.gateway import edge_push
+from cloud.aggregation import Buffered, DeadlineQuorum
+from cloud.gateway import Gateway, GatewayOptions, edge_push
 from common.task import load_task
 from edge.agent import ElasticEdge
 from edge.direction import RawGradient, SgdDirection
@@ -125,3 +128,52 @@ def test_an_edge_pushes_what_its_gateway_asks_for(momentum: float) -> None:
             assert isinstance(agent.direction, RawGradient if momentum else SgdDirection)
         finally:
             agent.close()
+
+
+def test_edges_at_different_rates_and_schedules_land_the_gateway_on_their_mean_move() -> None:
+    """Neither edge's rate is the gateway's `edge_lr` (7.0 here, wrong on purpose): each push says
+    the rate its sum is in units of, and one edge's rate halves every step (a schedule)."""
+    gw_model = _model()
+    gw = Gateway(
+        gw_model,
+        torch.optim.SGD(gw_model.parameters(), lr=0.05),
+        GatewayOptions(bind="tcp://127.0.0.1:0"),
+        weighting=Buffered(edge_lr=7.0, gateway_lr=0.05, expected=2),
+        rounds=DeadlineQuorum(deadline_s=600.0, quorum=2),
+    )
+    x0 = [p.detach().clone() for p in gw_model.parameters()]
+    with serving(gw):
+        agents, moves = [], []
+        for name, lr, halve in (("steady", 0.3, False), ("scheduled", 0.08, True)):
+            model = _model()
+            agent = ElasticEdge(
+                model,
+                SessionOptions(gateway=gw.bound_endpoint, client_id=name),
+                start=False,
+                pack_cap_bytes=1 << 20,  # one unit, one push: both land in the first round
+                compression="none",  # exact sums (compression's residual is tested on its own)
+            )
+            opt = torch.optim.SGD(agent.parameters(), lr=lr)
+            agent.follow(opt)
+            schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5 if halve else 1.0)
+            for step in range(6):
+                x, y = _batch(step + (100 if halve else 0))
+                opt.zero_grad()
+                nn.functional.cross_entropy(agent(x), y).backward()
+                opt.step()
+                schedule.step()
+            moves.append([p.detach() - x for p, x in zip(model.parameters(), x0)])
+            agents.append(agent)
+        assert agents[0].cache.lr == 0.3 and agents[1].cache.lr == 0.08  # the first rate each ran at
+        try:
+            for agent in agents:
+                agent.session.start()
+            deadline = time.monotonic() + 30
+            while gw.version < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert gw.version == 1
+            for p, x, ma, mb in zip(gw_model.parameters(), x0, *moves):
+                torch.testing.assert_close(p.detach(), x + (ma + mb) / 2, rtol=1e-5, atol=1e-6)
+        finally:
+            for agent in agents:
+                agent.close()

@@ -24,6 +24,7 @@ from cloud.gateway import Gateway, GatewayOptions
 from common.checkpoint import CheckpointError, read_tensors
 from common.cli import main as cli_main
 from edge.cache import GradientCache
+from edge.persistence import KIND as EDGE_KIND
 from edge.persistence import EdgeState
 from edge.persistence import export_state as export_edge_state
 from edge.session import EdgeSession, SessionOptions
@@ -219,7 +220,7 @@ def test_an_edge_that_lost_its_state_gets_fresh_seqs_from_the_welcome(tmp_path: 
             fresh.close()
 
 
-@pytest.mark.parametrize("damage", ["truncate", "random", "other_model", "other_device"])
+@pytest.mark.parametrize("damage", ["truncate", "random", "other_model", "other_device", "bad_lr"])
 def test_a_torn_or_foreign_edge_state_is_refused_and_the_previous_one_loaded(
     tmp_path: Path, damage: str
 ) -> None:
@@ -236,6 +237,12 @@ def test_a_torn_or_foreign_edge_state_is_refused_and_the_previous_one_loaded(
         newest.write_bytes(newest.read_bytes()[:-7])
     elif damage == "random":
         newest.write_bytes(torch.randint(0, 256, (4096,), dtype=torch.uint8).numpy().tobytes())
+    elif damage == "bad_lr":
+        # Whole and of this device, but its sums claim a rate unit no optimizer runs at.
+        store = EdgeState(str(tmp_path), CLIENT).store
+        tensors, meta = read_tensors(newest, EDGE_KIND)
+        store.save(int(newest.name.split("-")[-1].split(".")[0]), tensors, {**meta, "lr": -0.5})
+        store.close()
     else:
         # A whole, valid file of another model or another device under this device's name.
         other = nn.Linear(3, 3) if damage == "other_model" else make_model()
@@ -264,10 +271,28 @@ def test_a_torn_or_foreign_edge_state_is_refused_and_the_previous_one_loaded(
             "random": "",
             "other_model": "another model",
             "other_device": "saved by device 'someone-else'",
+            "bad_lr": "lr -0.5 is not a learning rate",
         }[damage]
         assert expect in reason
         assert again.cache.units[0].pending_count == 1  # the older save: one step
         assert torch.equal(again.cache.units[0].pending[:6], torch.ones(6))
+    finally:
+        again.close()
+
+
+def test_the_rate_unit_of_saved_sums_survives_a_restart(tmp_path: Path) -> None:
+    """Sums are in units of the first rate the edge ran at (edge/agent.py); a restart at another
+    rate must not reinterpret the sums it reloads."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"  # nobody listens: everything stays cached
+    session = edge_session(endpoint, tmp_path)
+    assert session.cache.rate_unit(0.2) == 0.2
+    push(session, 1.0, sync=False)
+    assert session.save_now()
+    crash(session)
+    again = edge_session(endpoint, tmp_path)
+    try:
+        assert again.cache.lr == 0.2
+        assert again.cache.rate_unit(0.05) == 0.2  # a later, smaller rate does not move the unit
     finally:
         again.close()
 

@@ -80,9 +80,11 @@ class Peer:
         self.send(Hello(client_id=self.name, manifest=manifest, model_version=0, next_seq=1))
         return self.recv()
 
-    def push(self, seq: int, grads: dict[str, torch.Tensor], count: int = 1, base: int = 0) -> Ack:
+    def push(
+        self, seq: int, grads: dict[str, torch.Tensor], count: int = 1, base: int = 0, lr: float = 0.0
+    ) -> Ack:
         layers = tuple(LayerGradient(n, Dense(g), count) for n, g in grads.items())
-        self.send(Push(seq=seq, base_version=base, layers=layers))
+        self.send(Push(seq=seq, base_version=base, layers=layers, lr=lr))
         answer = self.recv()
         assert isinstance(answer, Ack), answer
         return answer
@@ -467,6 +469,28 @@ def test_local_progress_is_the_mean_of_the_edges_moves() -> None:
         Buffered(edge_lr=0.1, gateway_lr=0.5, expected=0)
 
 
+def test_a_contribution_that_says_its_rate_moves_the_model_as_far_as_the_edge_moved() -> None:
+    """Edges at different rates: each sum times its own rate; one that says none, the gateway's 0.1."""
+    gw = _progress_gateway(expected=3)
+    gw.bind()
+    try:
+        a, b, c = Peer(gw, "a"), Peer(gw, "b"), Peer(gw, "c")
+        for peer in (a, b, c):
+            peer.hello(gw.manifest)
+        w0 = [p.detach().clone() for p in gw.params]
+        sums = [{n: torch.randn_like(p) for n, p in zip(gw.names, gw.params)} for _ in range(3)]
+        assert a.push(1, sums[0], count=10, lr=0.4).accepted  # a moved by -0.4 * its sum
+        assert b.push(1, sums[1], count=3, lr=0.004).accepted
+        assert c.push(1, sums[2], count=5).accepted  # an edge that does not say: edge_lr, 0.1
+        gw.poll_once(0.0)
+        assert gw.version == 1
+        for p, w, n in zip(gw.params, w0, gw.names):
+            move = 0.4 * sums[0][n] + 0.004 * sums[1][n] + 0.1 * sums[2][n]
+            torch.testing.assert_close(p.detach(), w - move / 3, rtol=0, atol=1e-6)
+    finally:
+        gw.close()
+
+
 def _gateway(**options: object) -> Gateway:
     model = make_model()
     gw = Gateway(
@@ -629,7 +653,7 @@ def test_a_full_client_table_forgets_the_device_silent_longest_once_idle() -> No
 class BrokenWeighting(MeanStep):
     """A policy with a bug (a user's own object): the service must outlive it."""
 
-    def scale(self, staleness: int) -> float:
+    def scale(self, staleness: int, lr: float | None = None) -> float:
         raise ZeroDivisionError("bug in a user policy")
 
 

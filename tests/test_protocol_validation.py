@@ -85,6 +85,11 @@ def refused(frames: list, **kwargs) -> ProtocolError:
 def test_good_push_decodes() -> None:
     msg = decode(good_push(), manifest=MANIFEST)
     assert [layer.name for layer in msg.layers] == ["enc.weight", "enc.bias"]
+    assert msg.lr == 0.0  # its sums' rate unit not said
+    said = decode(edit_header(good_push(), lambda h: h.update(lr=0.05)), manifest=MANIFEST)
+    assert said.lr == 0.05
+    with pytest.raises(ProtocolError, match=r"push\.lr: expected a learning rate"):
+        decode(edit_header(good_push(), lambda h: h.update(lr=-1)), manifest=MANIFEST)
 
 
 CASES: dict[str, tuple[Callable[[], list], Reason]] = {
@@ -104,6 +109,19 @@ CASES: dict[str, tuple[Callable[[], list], Reason]] = {
     "bool as seq": (lambda: edit_header(good_push(), lambda h: h.update(seq=True)), Reason.BAD_FIELD),
     "float as version number": (
         lambda: edit_header(good_push(), lambda h: h.update(base_version=1.5)),
+        Reason.BAD_FIELD,
+    ),
+    "negative learning rate": (
+        lambda: edit_header(good_push(), lambda h: h.update(lr=-0.1)),
+        Reason.BAD_FIELD,
+    ),
+    "NaN learning rate": (
+        lambda: edit_header(good_push(), lambda h: h.update(lr=float("nan"))),
+        Reason.BAD_FIELD,
+    ),
+    "huge learning rate": (lambda: edit_header(good_push(), lambda h: h.update(lr=1e9)), Reason.BAD_FIELD),
+    "bool as learning rate": (
+        lambda: edit_header(good_push(), lambda h: h.update(lr=True)),
         Reason.BAD_FIELD,
     ),
     "layers not a list": (lambda: edit_header(good_push(), lambda h: h.update(layers={})), Reason.BAD_FIELD),
