@@ -33,8 +33,9 @@ from torch import nn
 from common.hooks import GradientHooks, pack_by_size, trainable_parameters
 from edge.cache import GradientCache
 from edge.compression import Compression, UplinkCompression
+from edge.config import DRIFT_HORIZON
 from edge.direction import Direction, RawGradient, SgdDirection
-from edge.drift import Proximal
+from edge.drift import Horizon, Proximal
 from edge.session import EdgeSession, SessionOptions
 from protocol import Manifest
 
@@ -58,6 +59,7 @@ class ElasticEdge(nn.Module):
         compression: str | Compression = "auto",
         audit: bool = False,
         proximal_mu: float = 0.0,
+        drift_horizon: int = DRIFT_HORIZON,
         lr: float | None = None,
     ) -> None:
         super().__init__()
@@ -82,6 +84,8 @@ class ElasticEdge(nn.Module):
         self._by_name = dict(named)
         # FedProx (edge/drift.py): each step pulled back towards the last adopted global model.
         self.drift = Proximal([p for _, p in named], proximal_mu) if proximal_mu else None
+        self.horizon = Horizon(drift_horizon) if drift_horizon else None
+        self.since_adopted = 0  # steps taken from the model loaded last (the bound's clock)
         self.version = model_version  # the global model version this edge trains from
         self.steps = 0  # backwards that reached the sink
         self.models_adopted = 0
@@ -130,6 +134,7 @@ class ElasticEdge(nn.Module):
                 param.copy_(layer.payload.tensor, non_blocking=True)
         self.version = model.version
         self.models_adopted += 1
+        self.since_adopted = 0
         if self.drift is not None:
             self.drift.rebase(list(self._by_name.values()))
         # Pushing its steps, the edge restarts their momentum with each global model; pushing raw
@@ -163,6 +168,8 @@ class ElasticEdge(nn.Module):
     # ------------------------------------------------------------ GradientSink
     def unit_ready(self, unit: int) -> None:
         params = [self.hooks.params[i] for i in self.hooks.plan[unit]]
+        if self.horizon is not None:
+            self.horizon.scale(params, self.since_adopted + 1)  # the data's gradient, not the pull
         if self.drift is not None:
             self.drift.pull(params)  # before the pushed direction and the local step read .grad
         direction = self.direction
@@ -192,6 +199,7 @@ class ElasticEdge(nn.Module):
 
     def backward_done(self) -> None:
         self.steps += 1
+        self.since_adopted += 1
         if self._diverged:
             self._diverged = False
             self.nonfinite_steps += 1
@@ -216,6 +224,7 @@ class ElasticEdge(nn.Module):
             steps=self.steps,
             trained_from_version=self.version,
             models_adopted=self.models_adopted,
+            steps_since_adopted=self.since_adopted,
             nonfinite_steps=self.nonfinite_steps,
         )
         # Counts over this device's saved history (edge/persistence.py), not only this process.

@@ -196,6 +196,7 @@ def run(args: argparse.Namespace, config: EdgeConfig) -> int:
             compression=config.compression,
             audit=config.audit_mass,
             proximal_mu=config.train.prox_mu,
+            drift_horizon=config.train.drift_horizon,
         )
     except (OSError, CheckpointError) as exc:
         print(f"elasticfed edge: error: --state-dir {config.state_dir}: {exc}", file=sys.stderr)

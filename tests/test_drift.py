@@ -10,7 +10,7 @@ from torch import nn
 from common import config as cfg
 from edge.agent import ElasticEdge
 from edge.config import EdgeConfig
-from edge.drift import Proximal
+from edge.drift import Horizon, Proximal
 from edge.session import SessionOptions
 
 
@@ -88,3 +88,48 @@ def test_the_edge_setting_is_checked() -> None:
     assert cfg.load(EdgeConfig, None, {"train.prox_mu": "0.1"}).train.prox_mu == 0.1
     with pytest.raises(cfg.ConfigError, match="--train-prox-mu: must be >= 0.0"):
         cfg.load(EdgeConfig, None, {"train.prox_mu": "-1"})
+
+
+def test_an_edge_cut_off_from_the_gateway_walks_less_than_twice_its_horizon_and_pushes_every_step() -> None:
+    """A constant gradient (all ones) for 2,000 steps that never see a new global model: plain SGD
+    would walk 2,000 steps; the bound keeps the walk under 2 x horizon steps, and what the edge
+    caches to push is exactly the walk it took, step by step (none skipped, none dropped)."""
+    horizon, lr, steps = 10, 0.1, 2000
+    model = nn.Linear(4, 1, bias=False)
+    start = model.weight.detach().clone()
+    agent = ElasticEdge(
+        model,
+        SessionOptions(gateway="tcp://127.0.0.1:9", client_id="cut-off"),
+        start=False,
+        drift_horizon=horizon,
+        compression="none",
+    )
+    opt = torch.optim.SGD(agent.parameters(), lr=lr)
+    agent.follow(opt)
+    for _ in range(steps):
+        opt.zero_grad()
+        agent(torch.ones(1, 4)).sum().backward()  # d loss / d w = 1 for every entry
+        opt.step()
+    sizes = [1.0 if k <= horizon else (horizon / k) ** 2 for k in range(1, steps + 1)]
+    walk = start - model.weight.detach()
+    torch.testing.assert_close(walk, torch.full_like(walk, lr * sum(sizes)), rtol=1e-5, atol=0)
+    assert float(walk.max()) < 2 * horizon * lr  # plain SGD: 2,000 x 0.1 = 200
+    assert float(walk.min()) > 1.9 * horizon * lr  # and still training: nothing stalled at 1 x horizon
+    unit = agent.cache.units[0]
+    assert unit.pending_count == steps and agent.status()["steps_since_adopted"] == steps
+    assert agent.cache.lr is not None
+    torch.testing.assert_close(agent.cache.lr * unit.pending.view_as(walk), walk, rtol=1e-5, atol=1e-6)
+
+
+def test_the_horizon_keeps_full_steps_until_it_and_is_checked() -> None:
+    bound = Horizon(100)
+    assert [bound.factor(k) for k in (1, 50, 100)] == [1.0, 1.0, 1.0]
+    assert bound.factor(200) == 0.25 and bound.factor(1000) == pytest.approx(0.01)
+    assert sum(bound.factor(k) for k in range(1, 1_000_000)) < 200
+    for bad in (0, -5, 2.5):
+        with pytest.raises(ValueError, match="drift horizon must be a whole number of steps >= 1"):
+            Horizon(bad)  # type: ignore[arg-type]
+    assert cfg.load(EdgeConfig, None, {}).train.drift_horizon == 1000
+    assert cfg.load(EdgeConfig, None, {"train.drift_horizon": "0"}).train.drift_horizon == 0
+    with pytest.raises(cfg.ConfigError, match="--train-drift-horizon: must be >= 0"):
+        cfg.load(EdgeConfig, None, {"train.drift_horizon": "-1"})
