@@ -1006,7 +1006,7 @@ class EdgeSession:
                     self.uplink.answered(_nbytes(flight), queued[1], now)
                 self._covers(flight.last_sent)
                 if flight.attempts and msg.code != Reason.NOT_WELCOMED.value:
-                    self._adapt_resend(msg.attempt)
+                    self._adapt_resend(msg.attempt, msg.code == Reason.DUPLICATE.value)
             self._verdict(msg.seq, msg.accepted, msg.code, msg.detail, now, msg.gateway_id, msg.epoch)
         self._settle(msg.verdicts, msg.gateway_id, now)
         self._commit(msg.gateway_id, msg.durable_epoch)
@@ -1068,9 +1068,16 @@ class EdgeSession:
                     del self._queued[seq]
                     self._queued_bytes -= nbytes
 
-    def _adapt_resend(self, applied_attempt: int) -> None:
-        """A re-sent push was judged: was the applied copy a re-send (the link loses) or the original?"""
-        if applied_attempt == 0:  # the original was only late: re-sends were waste
+    def _adapt_resend(self, applied_attempt: int, duplicate: bool) -> None:
+        """A re-sent push was judged: was the applied copy a re-send (the link loses) or the original?
+
+        `duplicate`: this answer is to a later copy; the original was applied but, on a FIFO link,
+        its own answer was lost, so the re-send was what got the verdict through (the link loses).
+        Counted as waste (21% of pushes at 30% loss each way), it doubled the interval: `cloud
+        serve`'s defaults with 2 digits edges at 30% loss, 3 runs each, mean sync latency 0.58-0.88
+        s before, 0.44-0.64 s after.
+        """
+        if applied_attempt == 0 and not duplicate:  # the original was only late: re-sends were waste
             self.resend_s = min(self._resend_max_s, self.resend_s * 2)
         else:  # the original, on this same connection, never arrived
             if not self.loses_messages:

@@ -9,16 +9,21 @@ in this process (its I/O thread is real, its socket real), the gateway in a thre
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import pytest
 import torch
+import zmq
 from fleet import applied_by_layer, gateway_thread, train_digits
+from torch import nn
 
 from common.link import Faults
 from common.task import load_task
 from edge.agent import ElasticEdge
-from edge.session import SessionOptions
+from edge.cache import GradientCache
+from edge.session import EdgeSession, SessionOptions
+from protocol import Ack, Heartbeat, Hello, Manifest, Message, Push, Welcome, decode, encode
 
 TASK = load_task("common.tasks.digits:task")
 
@@ -146,3 +151,81 @@ def test_at_30_percent_loss_a_small_model_keeps_coming_down_every_few_rounds() -
     assert versions >= 15, versions  # the rounds this test is about did close
     # At least one model in every 4 versions (measured: 2 in 5; the 8 s timer: 0 in 64).
     assert adopted >= versions / 4, (adopted, versions)
+
+
+def _scripted_resend(original_answer: str) -> EdgeSession:
+    """An edge session against a hand-played gateway that leaves push 1's first copy unanswered
+    until the edge sends it again, then answers as `original_answer` says:
+
+    - "lost": the copy was applied but its ack was lost; the re-send is answered "duplicate,
+      applied copy 0" (the only answer the edge gets for it);
+    - "late": the original's own ack ("applied, copy 0") arrives only now, after the re-send.
+    """
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.linger = 0
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    model = nn.Linear(3, 2)
+    named = list(model.named_parameters())
+    manifest = Manifest.from_parameters(named)
+    cache = GradientCache([[(n, tuple(p.shape), p.dtype) for n, p in named]])
+    session = EdgeSession(
+        SessionOptions(gateway=f"tcp://127.0.0.1:{port}", client_id="e", timeout_s=0.2, heartbeat_s=0.2),
+        manifest,
+        cache,
+    )
+    session.start()
+
+    def reply(route: bytes, msg: Message) -> None:
+        router.send_multipart([route, *encode(msg)])
+
+    deadline = time.monotonic() + 20
+    try:
+        while time.monotonic() < deadline:
+            if not router.poll(50):
+                continue
+            route, *frames = router.recv_multipart()
+            msg = decode(frames, manifest=manifest)
+            if isinstance(msg, Hello):
+                reply(
+                    route,
+                    Welcome(
+                        gateway_id="gw",
+                        manifest_digest=manifest.digest,
+                        model_version=0,
+                        next_seq=1,
+                        settings={"credit": 8, "window": 64, "push": "gradient"},
+                    ),
+                )
+                if not session.cache.units[0].produced:  # one step, after the first welcome
+                    session.cache.add(0, [torch.ones(2, 3), torch.ones(2)], base_version=0)
+                    session.request_sync([0])
+            elif isinstance(msg, Heartbeat):  # answered, with no verdict: push 1 is unknown here
+                reply(route, Heartbeat(nonce=msg.nonce, reply=True, gateway_id="gw"))
+            elif isinstance(msg, Push) and msg.attempt >= 1:
+                code = "duplicate" if original_answer == "lost" else ""
+                reply(route, Ack(seq=msg.seq, accepted=True, credit=8, code=code, attempt=0, gateway_id="gw"))
+                wait = time.monotonic() + 5
+                while session.cache.undelivered() and time.monotonic() < wait:
+                    time.sleep(0.01)
+                assert session.cache.undelivered() == 0
+                return session
+        raise AssertionError("the edge never sent push 1 again")
+    finally:
+        session.close()
+        router.close()
+
+
+def test_a_resend_whose_answer_says_the_original_was_applied_but_unanswered_keeps_resends_fast() -> None:
+    # The re-send is what got the verdict through: the link loses messages.  Counted as a late
+    # original (the interval doubled), 21% of pushes at 30% loss each way backed re-sends off to
+    # seconds on loopback.
+    session = _scripted_resend("lost")
+    assert session.loses_messages
+    assert session.resend_s <= session.options.timeout_s
+
+
+def test_an_original_answered_after_its_resend_backs_resends_off() -> None:
+    session = _scripted_resend("late")
+    assert not session.loses_messages
+    assert session.resend_s == 2 * session.options.timeout_s
