@@ -321,4 +321,9 @@ class DemoConfig:
     insecure: bool = insecure_setting(
         "run the demo without CURVE (by default it makes keys in a temporary folder and enrols the edges)"
     )
+    keep: bool = setting(
+        False,
+        "keep the run's folder (edge logs, the demo's keys) after it ends; kept anyway when an edge "
+        "fails or the count audit does not add up",
+    )
     task: str = task_setting()

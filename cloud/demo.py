@@ -18,6 +18,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -325,7 +326,8 @@ def run(
         if admission is not None
         else "NOT encrypted or authenticated (--insecure)"
     )
-    print(f"  the link is {link}; edge logs in {logs}", file=out)
+    kept = "" if config.keep else " (removed at the end unless --keep or a failure)"
+    print(f"  the link is {link}; edge logs in {logs}{kept}", file=out)
     started = training = time.monotonic()
     training_started = False  # an edge has reported a status line
     serving.start()
@@ -359,7 +361,8 @@ def run(
                 if trace is not None:
                     with round_lock:
                         trace[:] = [(0.0, current, score)]
-            progress.draw(current, score, edges, stale, now - training)
+            # One clock from the demo's start; the time budget counts from the first edge's training.
+            progress.draw(current, score, edges, stale, now - started)
             if current >= config.rounds or (training_started and now - training >= config.time_limit_s):
                 break
             if all(e.proc.poll() is not None for e in edges):
@@ -377,9 +380,15 @@ def run(
     score = task.evaluate(gateway.model, test_set)
     if trace is not None:
         trace.append((time.monotonic() - training, gateway.version, score))
-    return _report(
+    code, figures = _report(
         out, task, config, gateway, edges, codes, score, trained_s, time.monotonic() - started, result
     )
+    if config.keep or code != 0:
+        print(f"  edge logs{' and keys' if admission else ''} kept in {logs}", file=out)
+    else:
+        shutil.rmtree(logs, ignore_errors=True)  # keys included: they enrolled nothing that outlives the run
+    print(json.dumps(figures), file=out, flush=True)  # the last line (DESIGN.md section 9)
+    return code
 
 
 class _Pace:
@@ -418,7 +427,8 @@ def _report(
     trained_s: float,
     total_s: float,
     result: dict[str, Any] | None = None,
-) -> int:
+) -> tuple[int, dict[str, Any]]:
+    """The table and summary; the exit code and the figures (printed last, as JSON, by the caller)."""
     status = gateway.status()
     g = totals(status)
     applied = status["metrics"]["gateway_applied_steps_total"]
@@ -502,8 +512,7 @@ def _report(
     if result is not None:
         result.update(figures)
         result["model_state"] = {k: v.detach().clone() for k, v in gateway.model.state_dict().items()}
-    print(json.dumps(figures), file=out, flush=True)
-    return 0 if audit_ok and all(c == 0 for c in codes) else 1
+    return 0 if audit_ok and all(c == 0 for c in codes) else 1, figures
 
 
 def _show_sample(out: TextIO, text: bytes) -> None:

@@ -216,8 +216,9 @@ def test_cloud_serve_with_its_defaults_trains_through_loss_and_three_gateway_kil
     standalone); 2 edges with the edge's defaults at 30% message loss; the gateway killed -9 and
     restarted 3 times, at moments set by edge 0's local steps (a restarted gateway resumes from its
     newest checkpoint, every 10 rounds or 30 s by default, and edges re-send what no checkpoint
-    held).  With the old default weighting (mean-step) this ended at 25.6%; now 96.4-96.9% in four
-    runs (94.4% once in CI with the last kill at 1,600 of 2,500 steps: few rounds after it)."""
+    held).  With the old default weighting (mean-step) this ended at 25.6%; 94.4-96.9% in seven
+    runs before the re-send fix and the drift bound (edge/session.py `_adapt_resend`, edge/drift.py),
+    95.8-96.7% in five runs after."""
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     folder = tmp_path / "gateway"
     argv = [

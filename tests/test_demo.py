@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -26,6 +28,13 @@ def run_demo(*flags: str) -> tuple[dict, str]:
     return json.loads(result.stdout.strip().splitlines()[-1]), result.stdout
 
 
+def run_folder(out: str) -> Path:
+    """The run's folder, as the demo's header names it."""
+    match = re.search(r"edge logs in (\S+)", out)
+    assert match, out[:2000]
+    return Path(match.group(1))
+
+
 @pytest.mark.slow
 def test_demo_at_its_default_30_percent_bursty_loss_reaches_93_percent() -> None:
     figures, out = run_demo()
@@ -39,6 +48,7 @@ def test_demo_at_its_default_30_percent_bursty_loss_reaches_93_percent() -> None
     for heading in ("test accuracy", "rounds", "time", "bytes", "weak syncs", "count audit        OK"):
         assert heading in out
     assert "the link is CURVE-encrypted, 4 devices enrolled" in out  # secured by default
+    assert not run_folder(out).exists()  # logs and keys removed: nothing left in /tmp by default
 
 
 @pytest.mark.slow
@@ -48,9 +58,15 @@ def test_demo_lossless_reaches_95_percent() -> None:
     # local steps and the test set is 360 digits, so one run's figure moves by a few digits with
     # the edges' timing: 800 rounds gave 93.6-96.9% (one CI run of about eight below 95%), 1500
     # rounds 95.8-97.8% in six runs (35-50 s).
-    figures, out = run_demo("--loss", "0", "--timeout-ms", "2000", "--rounds", "1500")
+    figures, out = run_demo("--loss", "0", "--timeout-ms", "2000", "--rounds", "1500", "--keep")
     assert figures["accuracy"] >= 0.95, out[-2000:]
     assert figures["weak_syncs"] == 0 and figures["audit_ok"]
+    folder = run_folder(out)
+    try:
+        assert f"edge logs and keys kept in {folder}" in out
+        assert (folder / "edge-0.log").stat().st_size > 0 and (folder / "keys").is_dir()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.mark.slow
