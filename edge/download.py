@@ -121,8 +121,15 @@ class ModelDownload:
         return None if self.public is None else (self.public_version, blob.digest(self.public))
 
     def forget_public(self) -> None:
-        """A new gateway instance has its own public model: what this edge holds is no base for it."""
+        """A new gateway instance has its own public model: what this edge holds is no base for it.
+
+        A patch download under way asked from that base: it goes on as a whole model of the same
+        version.  Left a patch, every chunk of it was refused (its base no longer held) and asked
+        again, forever: found in CI, an edge stuck 240 s after a gateway restart.
+        """
         self.public, self.public_version = None, 0
+        if self.active and self.base:
+            self._reset(self.version, 0, base=0)
 
     def connection_lost(self) -> None:
         """Requests sent on a replaced connection are not answered there: ask again on the next."""

@@ -365,3 +365,34 @@ def test_what_is_missing_bounds_the_wait_and_shrinks_as_chunks_come() -> None:
     left = manifest.blob_bytes - length
     # An upper bound, by whole chunks: never below what is missing, at most one chunk above.
     assert left <= download.missing_bytes() < min(manifest.blob_bytes, left + CHUNK)
+
+
+def test_a_patch_under_way_when_the_base_is_forgotten_goes_on_as_a_whole_model() -> None:
+    """A new gateway instance welcomes the edge at the version it holds: no new download starts,
+    but the patch under way asked from a base the edge no longer counts on."""
+    old, new = make_model(0), make_model(1)
+    manifest, old_data, old_digest = served(old, 55)
+    download = ModelDownload(manifest, CHUNK)
+    download.start(55)
+    finished = None
+    while finished is None:
+        for _version, offset, length in download.requests(4 * CHUNK, 0.0, math.inf):
+            finished, _ = download.on_chunk(answer(old_data, old_digest, 55, offset, length), 0.0)
+    download.start(56)  # a patch from 55
+    assert download.base == 55
+    download.forget_public()
+    # What the session asks the gateway for (ModelFetch.base): a whole model now, never a patch
+    # from the forgotten base, whose chunks this edge would refuse, and ask again, forever.
+    assert download.base == 0 and download.active and download.size == manifest.blob_bytes
+    _, data, digest = served(new, 56)
+    finished = None
+    for _ in range(100):
+        for version, offset, length in download.requests(4 * CHUNK, 1.0, math.inf):
+            assert version == 56
+            finished, _ = download.on_chunk(answer(data, digest, 56, offset, length), 1.0)
+        if finished is not None:
+            break
+    assert finished is not None and finished.version == 56 and download.base == 0
+    params = dict(new.named_parameters())
+    for layer in finished.layers:
+        assert torch.equal(layer.payload.tensor, params[layer.name].detach())

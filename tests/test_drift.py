@@ -129,7 +129,7 @@ def test_the_horizon_keeps_full_steps_until_it_and_is_checked() -> None:
     for bad in (0, -5, 2.5):
         with pytest.raises(ValueError, match="drift horizon must be a whole number of steps >= 1"):
             Horizon(bad)  # type: ignore[arg-type]
-    assert cfg.load(EdgeConfig, None, {}).train.drift_horizon == 1000
+    assert cfg.load(EdgeConfig, None, {}).train.drift_horizon == 200
     assert cfg.load(EdgeConfig, None, {"train.drift_horizon": "0"}).train.drift_horizon == 0
     with pytest.raises(cfg.ConfigError, match="--train-drift-horizon: must be >= 0"):
         cfg.load(EdgeConfig, None, {"train.drift_horizon": "-1"})
