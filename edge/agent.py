@@ -38,6 +38,7 @@ from edge.direction import Direction, RawGradient, SgdDirection
 from edge.drift import Horizon, Proximal
 from edge.session import EdgeSession, SessionOptions
 from protocol import Manifest
+from protocol.messages import MAX_RATE, is_rate
 
 _RAW = RawGradient()
 
@@ -65,8 +66,8 @@ class ElasticEdge(nn.Module):
         super().__init__()
         if sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {sync_every}")
-        if lr is not None and not (math.isfinite(lr) and 0 < lr <= 1000):
-            raise ValueError(f"lr must be in (0, 1000], got {lr}")
+        if lr is not None and not is_rate(lr):
+            raise ValueError(f"lr must be a learning rate in (0, {MAX_RATE:g}], got {lr!r}")
         if isinstance(compression, str):
             compression = UplinkCompression.parse(compression)
         self.module = module

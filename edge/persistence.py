@@ -39,6 +39,7 @@ import torch
 from common.checkpoint import CheckpointError, CheckpointStore, read_tensors, write_tensors
 from edge.cache import MAX_HELD, Flight, GradientCache, Held
 from protocol import LayerGradient, ProtocolError, Push, decode, encode, limits_for
+from protocol.messages import MAX_RATE, is_rate
 from protocol.payload import payload_bytes
 
 if TYPE_CHECKING:
@@ -229,8 +230,8 @@ def import_state(
         raise CheckpointError(f"{path}: saved with another packing of layers into units")
     seq = _count(meta["seq"], f"{path}: seq")
     lr = meta.get("lr")  # absent in files saved before sums had a rate unit
-    if lr is not None and not (type(lr) in (int, float) and math.isfinite(lr) and 0 < lr <= 1000):
-        raise CheckpointError(f"{path}: lr {lr!r} is not a learning rate in (0, 1000]")
+    if lr is not None and not is_rate(lr):
+        raise CheckpointError(f"{path}: lr {lr!r} is not a learning rate in (0, {MAX_RATE:g}]")
     plans = []
     for unit, entry in zip(cache.units, units):
         where = f"{path}: unit {unit.index}"

@@ -185,15 +185,20 @@ class UInt64(Kind):
 UINT64 = UInt64()
 
 
-class Rate(Kind):
-    """A learning rate: a finite number in (0, MAX], or 0 for "not said"."""
+MAX_RATE = 1000.0
 
-    MAX = 1000.0
+
+def is_rate(value: object) -> bool:
+    """A learning rate an edge may say: a finite number in (0, MAX_RATE] (pushes, saved edge state)."""
+    return type(value) in (int, float) and math.isfinite(value) and 0.0 < value <= MAX_RATE  # type: ignore[arg-type]
+
+
+class Rate(Kind):
+    """A learning rate, or 0 for "not said"."""
 
     def check(self, value: object, where: str) -> float:
-        ok = type(value) in (int, float) and math.isfinite(value) and 0.0 <= value <= self.MAX
-        if not ok:
-            raise _bad(where, f"a learning rate in (0, {self.MAX:g}], or 0 when not said", value)
+        if not (is_rate(value) or (type(value) in (int, float) and value == 0)):
+            raise _bad(where, f"a learning rate in (0, {MAX_RATE:g}], or 0 when not said", value)
         return float(value)  # type: ignore[arg-type]
 
 
