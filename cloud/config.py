@@ -91,6 +91,13 @@ class GatewaySettings:
     tau: float = setting(
         0.001, "adam and yogi: the adaptivity (eps; Reddi et al.'s tau), larger is closer to SGD", min=1e-9
     )
+    max_loss_ratio: float = setting(
+        10.0,
+        "stop applying, serving and saving once the model's loss on a probe of the task's test data "
+        "exceeds this many times an untrained model's (a finite model that diverged; probed within 2% "
+        "of the gateway's time; 0: off)",
+        check=lambda v: None if v == 0 or v > 1 else f"must be 0 (off) or above 1, got {v}",
+    )
     lr_decay_rounds: int = setting(
         0, "decay the learning rate along a cosine over this many rounds, to 5% (0: constant)", min=0
     )

@@ -55,6 +55,7 @@ from cloud.aggregation import (
 from cloud.delivery import DeliveryPace
 from cloud.durability import GatewayCheckpoints
 from cloud.publication import PublicModel
+from cloud.watch import LossWatch
 from common.hooks import trainable_parameters
 from common.link import TokenBucket
 from common.metrics import LATENCY_BUCKETS_S, STALENESS_BUCKETS, Metrics
@@ -401,8 +402,10 @@ class Gateway:
         aggregation: Aggregation | None = None,
         checkpoints: GatewayCheckpoints | None = None,
         update: ModelUpdate | None = None,
+        watch: LossWatch | None = None,
     ) -> None:
         self.model = model
+        self.watch = watch  # None: no loss probe (non-finite models are still refused)
         self.optimizer = optimizer  # None when `update` steps someone else's optimizer (hybrid)
         self.diverged: str | None = None  # why the gateway stopped applying (GatewayDiverged)
         self.options = options or GatewayOptions()
@@ -919,6 +922,7 @@ class Gateway:
             self.update.apply(rnd.number, averages, steps)
             if self.update.publishes:
                 self._refuse_a_broken_model(rnd.number, averages)
+                self._refuse_an_exploded_model(rnd.number)
         self.version += 1
         if self.update.publishes:
             self.publish(self.version)
@@ -961,6 +965,19 @@ class Gateway:
             f"{' ...' if len(broken) > 3 else ''}) with finite averages: the gateway's optimizer "
             "diverged; lower --gateway-lr. Not served and not saved: the last checkpoint holds the "
             "model before it, and edges re-send what was not yet durable"
+        )
+        log.error("%s", self.diverged)
+        raise GatewayDiverged(self.diverged)
+
+    def _refuse_an_exploded_model(self, round_number: int) -> None:
+        """Stop before serving or saving a finite model whose loss exploded (cloud/watch.py)."""
+        why = self.watch.check(self.model) if self.watch is not None else None
+        if why is None:
+            return
+        self.diverged = (
+            f"round {round_number}: {why}: training diverged; lower --gateway-lr (or the edges' "
+            "learning rate). Not served and not saved: the last checkpoint holds the model before "
+            "it, and edges re-send what was not yet durable"
         )
         log.error("%s", self.diverged)
         raise GatewayDiverged(self.diverged)

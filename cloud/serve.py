@@ -56,6 +56,7 @@ from cloud.train import (
     pick_backend,
     train,
 )
+from cloud.watch import LossWatch
 from common.checkpoint import CheckpointError
 from common.hooks import trainable_parameters
 from common.keys import KeyFileError
@@ -148,6 +149,8 @@ def build_gateway(
         aggregation=aggregation_named(g.aggregation, g.trim),
         admission=admission,
         checkpoints=checkpoints,
+        # Standalone only: in hybrid mode the model and its loss are the cloud trainer's.
+        watch=LossWatch.for_task(task, g.max_loss_ratio) if g.max_loss_ratio and update is None else None,
         rounds=DeadlineQuorum(deadline_s=g.round_deadline_s, quorum=g.quorum),
         on_round=on_round,
         lr_factor=CosineDecay(g.lr_decay_rounds) if g.lr_decay_rounds and update is None else None,

@@ -1,5 +1,6 @@
 """The gateway's optimizers on the buffered update, against updates computed by hand on a tiny model;
-and a gateway whose optimizer diverges stops without serving or saving the broken model."""
+and a gateway whose model diverges (non-finite, or finite with an exploded loss) stops without serving
+or saving it."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from cloud.durability import GatewayCheckpoints
 from cloud.gateway import Gateway, GatewayDiverged, GatewayOptions, edge_push
 from cloud.serve import build_gateway, contradictions
 from cloud.server_optimizers import Yogi, server_optimizer
+from cloud.watch import LossWatch
 from common.task import load_task
 from protocol import Dense, LayerGradient, Push
 from tests.test_gateway import Peer, make_model
@@ -195,11 +197,101 @@ def test_a_diverging_gateway_stops_before_serving_or_saving_the_broken_model(tmp
     again.close()
 
 
+def probe_of(x: torch.Tensor, y: torch.Tensor):  # type: ignore[no-untyped-def]
+    def probe(model: torch.nn.Module) -> float:
+        with torch.no_grad():
+            return float(torch.nn.functional.cross_entropy(model(x), y))
+
+    return probe
+
+
+def test_a_gateway_whose_loss_explodes_stops_before_serving_or_saving_the_model(tmp_path: Path) -> None:
+    """A finite model can be ruined (a server step far too large): its loss on the probe exceeds ten
+    times an untrained model's, so the round is neither published nor checkpointed."""
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 4, generator=gen), torch.randint(0, 2, (64,), generator=gen)
+    probe = probe_of(x, y)
+    reference = probe(make_model())
+    model = make_model()
+    checkpoints = GatewayCheckpoints(tmp_path / "ckpt", every_rounds=1, keep=3)
+    gw = Gateway(
+        model,
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        GatewayOptions(bind="tcp://127.0.0.1:0"),
+        rounds=DeadlineQuorum(deadline_s=60.0, quorum=1),
+        checkpoints=checkpoints,
+        watch=LossWatch(probe, reference, ratio=10.0, budget=1.0),
+    )
+    gw.bind()
+    peer = Peer(gw, "a")
+    peer.hello(gw.manifest)
+    small = {n: 0.01 * torch.randn(p.shape, generator=gen) for n, p in zip(gw.names, gw.params)}
+    assert peer.push(1, small).accepted
+    gw.poll_once(0.0)
+    assert gw.version == 1 and checkpoints.saved_version == 1
+    assert gw.watch is not None and gw.watch.probes == 1 and gw.watch.last_loss < 2 * reference
+    served = gw.snapshot()
+    big = {n: 300 * torch.randn(p.shape, generator=gen) for n, p in zip(gw.names, gw.params)}
+    peer.send(
+        Push(seq=2, base_version=1, layers=tuple(LayerGradient(n, Dense(g), 1) for n, g in big.items()))
+    )
+    with pytest.raises(GatewayDiverged, match=r"round 2: the model's loss on the probe is .* over 10 times"):
+        for _ in range(500):  # the push arrives, quorum 1 closes the round at once
+            gw.poll_once(0.01)
+    assert all(bool(torch.isfinite(p).all()) for p in gw.params)  # finite: only the loss tells
+    assert gw.watch.last_loss > 10 * reference
+    assert gw.version == 1 and gw.snapshot() is served  # nothing new published
+    gw.close()
+    assert checkpoints.saved_version == 1  # the clean stop did not save the ruined model
+    peer.sock.close(linger=0)
+
+
+def test_the_loss_watch_probes_within_its_share_of_time() -> None:
+    now = [0.0]
+    calls = []
+
+    def probe(model: torch.nn.Module) -> float:
+        calls.append(now[0])
+        now[0] += 0.01  # a probe takes 10 ms
+        return 1.0
+
+    watch = LossWatch(probe, reference=1.0, ratio=10.0, budget=0.02, clock=lambda: now[0])
+    model = make_model()
+    assert watch.check(model) is None and len(calls) == 1  # the first version is always probed
+    now[0] = 0.4  # 10 ms spent in 0.4 s: 2.5%, over the 2% budget
+    assert watch.check(model) is None and len(calls) == 1
+    now[0] = 0.5  # 2%: due again
+    assert watch.check(model) is None and len(calls) == 2
+    watch.probe = lambda m: float("nan")
+    now[0] = 10.0
+    assert "is nan" in (watch.check(model) or "")
+
+
+def test_the_loss_watch_of_a_task_measures_an_untrained_model_and_leaves_the_random_state() -> None:
+    task = load_task("digits")
+    before = torch.random.get_rng_state()
+    watch = LossWatch.for_task(task, 10.0)
+    assert torch.equal(before, torch.random.get_rng_state())
+    assert watch.reference == pytest.approx(2.303, abs=0.1)  # ln 10: chance level on ten classes
+    assert f"{task.batch_size} test examples of digits" in watch.described
+    for bad in (1.0, 0.5, float("inf")):
+        with pytest.raises(ValueError, match="ratio must be a finite number above 1"):
+            LossWatch(watch.probe, 1.0, ratio=bad)
+    gw = build_gateway(replace(CloudConfig(), mode="standalone"), task)
+    assert gw.watch is not None and gw.watch.ratio == GatewaySettings().max_loss_ratio == 10.0
+    gw.close()
+    off = build_gateway(replace(CloudConfig(), gateway=GatewaySettings(max_loss_ratio=0.0)), task)
+    assert off.watch is None
+    off.close()
+
+
 def test_serve_refuses_contradictory_optimizer_settings(capsys: pytest.CaptureFixture[str]) -> None:
     from common.cli import main
 
     assert main(["cloud", "serve", "--gateway-optimizer", "adam", "--gateway-momentum", "0.5"]) == 2
     assert "--gateway-momentum 0.5 is SGD's" in capsys.readouterr().err
+    assert main(["cloud", "serve", "--gateway-max-loss-ratio", "0.5", "--print-config"]) == 2
+    assert "must be 0 (off) or above 1, got 0.5" in capsys.readouterr().err
 
 
 def test_a_gateway_restarted_with_another_optimizer_keeps_what_was_applied(tmp_path: Path) -> None:
