@@ -140,7 +140,7 @@ def parse_best(text: str) -> tuple[dict[str, Any], dict[str, Any]]:
         key, _, value = item.partition("=")
         if hasattr(g, key):
             target, kind = gateway, type(getattr(g, key))
-        elif key in ("prox_mu",):
+        elif key in ("prox_mu", "scaffold"):
             target, kind = edges, type(getattr(d, key))
         else:
             raise SystemExit(f"noniid: --best {item!r}: neither a gateway setting nor prox_mu")

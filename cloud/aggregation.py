@@ -306,6 +306,8 @@ class OpenRound:
     staleness_max: int = 0
     contributions: int = 0
     layer_steps: list[int] = field(default_factory=list)  # step-gradients added, per layer
+    # Per layer, the sum of scale x steps added (what the update weighs them by): the step mass.
+    layer_mass: list[float] = field(default_factory=list)
     # client -> seconds its link needs for a contribution to every layer (cloud/delivery.py)
     delivery_s: dict[str, float] = field(default_factory=dict)
     # client -> seconds its last model download took, as it said (ModelFetch.fetch_ms)
@@ -314,6 +316,8 @@ class OpenRound:
     def __post_init__(self) -> None:
         if not self.layer_steps:
             self.layer_steps = [0] * self.layers
+        if not self.layer_mass:
+            self.layer_mass = [0.0] * self.layers
 
     def record(
         self,

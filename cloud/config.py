@@ -307,6 +307,7 @@ class DemoConfig:
     prox_mu: float = setting(
         0.0, "FedProx's mu on the edges' local steps (edge/drift.py; 0: off)", min=0.0, max=1000.0
     )
+    scaffold: bool = setting(False, "SCAFFOLD's control variates on the edges' local steps (edge/drift.py)")
     momentum: float = setting(
         0.9,
         "momentum of the gateway's SGD; the demo's edges take small local steps (edge_lr) and adopt "

@@ -171,6 +171,7 @@ def _edge_argv(config: DemoConfig, i: int, endpoint: str, security: list[str]) -
         str(config.edge_lr),
         "--train-prox-mu",
         str(config.prox_mu),
+        *(["--train-scaffold"] if config.scaffold else []),
         "--status-every-s",
         "0.5",
         "--drain-s",

@@ -45,6 +45,7 @@ from torch import nn
 from cloud.admission import CurveAdmission
 from cloud.aggregation import (
     Aggregation,
+    Buffered,
     DeadlineQuorum,
     MeanAggregation,
     MeanStep,
@@ -222,6 +223,7 @@ class ServedModel:
     version: int
     blob: torch.Tensor
     digest: int
+    mass: float = 0.0  # the step mass applied up to it (ModelChunk.mass; 0: not known)
 
 
 class _Rate:
@@ -434,6 +436,15 @@ class Gateway:
             )
         self.update = update
         self.edge_push = edge_push(optimizer if isinstance(update, OptimizerStep) else None)
+        # The step mass applied so far (this instance; ModelChunk.mass), where it is known.
+        self.mass = 0.0
+        self._mass_known = (
+            isinstance(update, OptimizerStep)
+            and type(optimizer) is torch.optim.SGD
+            and not any(g["momentum"] for g in optimizer.param_groups)
+            and isinstance(self.weighting, Buffered)
+            and isinstance(self.aggregation, MeanAggregation)
+        )
         self.layer_index = {n: i for i, n in enumerate(self.names)}
         self.limits = self.options.limits or dataclasses.replace(
             limits_for(self.manifest, DEFAULT_LIMITS), encodings=self.options.encodings
@@ -809,6 +820,7 @@ class Gateway:
             self.metrics.applied.inc(cid, layer.name, by=layer.count)
             applied[i] += layer.count
             self.open.layer_steps[i] += layer.count
+            self.open.layer_mass[i] += scale * layer.count
             indices.append(i)
             count = max(count, layer.count)
         self.open.record(cid, indices, count, staleness, now, self.delivery.delivery_s(cid), state.fetch_s)
@@ -826,7 +838,7 @@ class Gateway:
         params = blob.unpack(self.manifest, served.blob)
         names = msg.names or self.names
         layers = tuple(LayerTensor(n, Dense(params[n])) for n in names)
-        self._reply(route, Model(version=served.version, full=not msg.names, layers=layers))
+        self._reply(route, Model(version=served.version, full=not msg.names, layers=layers, mass=served.mass))
 
     def _avoidable_staleness(self, state: ClientState, base_version: int, now: float) -> int:
         """Versions behind that the edge could have avoided: what admission (max_staleness) judges.
@@ -861,6 +873,7 @@ class Gateway:
                 patch = self.public.patch(msg.base, served.version) or self.public.patch(
                     msg.base, newest.version
                 )
+            mass = (served if patch is None or patch.version == served.version else newest).mass
         if patch is not None:
             version, data_blob, digest, base = patch.version, patch.data, patch.digest, patch.base
             model_digest = patch.model_digest
@@ -885,6 +898,7 @@ class Gateway:
                 data=data,
                 base=base,
                 model_digest=model_digest,
+                mass=mass,
             ),
         )
 
@@ -904,6 +918,7 @@ class Gateway:
         rnd = self.open
         averages: list[torch.Tensor | None] = []
         divisor = self.weighting.min_divisor()
+        moved = self._step_mass(rnd, divisor)
         for name, acc in zip(self.names, self.acc):
             avg = acc.average(divisor)
             if avg is not None and not bool(torch.isfinite(avg).all()):
@@ -923,6 +938,9 @@ class Gateway:
             if self.update.publishes:
                 self._refuse_a_broken_model(rnd.number, averages)
                 self._refuse_an_exploded_model(rnd.number)
+            if moved is not None:
+                lr = self.optimizer.param_groups[0]["lr"]  # type: ignore[union-attr]  # after any decay
+                self.mass += lr * sum(m for m, avg in zip(moved, averages) if avg is not None) / len(moved)
         self.version += 1
         if self.update.publishes:
             self.publish(self.version)
@@ -948,6 +966,18 @@ class Gateway:
         if self.on_round is not None:
             self.on_round(summary)
         return summary
+
+    def _step_mass(self, rnd: OpenRound, divisor: int) -> list[float] | None:
+        """Per layer, the round's step mass over the gateway's rate (sum of scale x steps over the
+        divisor), where the update is exactly minus rate x mass x the mean pushed direction: the
+        buffered rule's weighted mean into plain SGD.  None where momentum, an adaptive optimizer
+        or a robust aggregation bends the step (the mass is then not known, ModelChunk.mass 0)."""
+        if not self._mass_known:
+            return None
+        return [
+            m / max(acc.count, divisor) if acc.count else 0.0  # type: ignore[attr-defined]
+            for m, acc in zip(rnd.layer_mass, self.acc)
+        ]
 
     def _refuse_a_broken_model(self, round_number: int, averages: Sequence[torch.Tensor | None]) -> None:
         """Stop before serving or saving a model the round made non-finite (the averages were finite:
@@ -1057,7 +1087,7 @@ class Gateway:
             self.metrics.public_distance.set(value=self.public.distance)
         else:
             data, digest = model, blob.digest(model)
-        served = ServedModel(version, data, digest)
+        served = ServedModel(version, data, digest, self.mass if self._mass_known else 0.0)
         with self._served_lock:
             self._served.pop(version, None)
             self._served[version] = served

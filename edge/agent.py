@@ -35,7 +35,7 @@ from edge.cache import GradientCache
 from edge.compression import Compression, UplinkCompression
 from edge.config import DRIFT_HORIZON
 from edge.direction import Direction, RawGradient, SgdDirection
-from edge.drift import Horizon, Proximal
+from edge.drift import ControlVariates, Horizon, Proximal
 from edge.session import EdgeSession, SessionOptions
 from protocol import Manifest
 from protocol.messages import MAX_RATE, is_rate
@@ -62,6 +62,7 @@ class ElasticEdge(nn.Module):
         proximal_mu: float = 0.0,
         drift_horizon: int = DRIFT_HORIZON,
         lr: float | None = None,
+        scaffold: bool = False,
     ) -> None:
         super().__init__()
         if sync_every < 1:
@@ -86,6 +87,10 @@ class ElasticEdge(nn.Module):
         # FedProx (edge/drift.py): each step pulled back towards the last adopted global model.
         self.drift = Proximal([p for _, p in named], proximal_mu) if proximal_mu else None
         self.horizon = Horizon(drift_horizon) if drift_horizon else None
+        # SCAFFOLD (edge/drift.py): g - c_i + c, c read off the adopted models' step mass.
+        self.variates = ControlVariates([p for _, p in named]) if scaffold else None
+        self._gains: dict[int, list[float]] = {}  # param id -> [sum of direction gains, steps]
+        self._massless_warned = False
         self.since_adopted = 0  # steps taken from the model loaded last (the bound's clock)
         self.version = model_version  # the global model version this edge trains from
         self.steps = 0  # backwards that reached the sink
@@ -138,10 +143,26 @@ class ElasticEdge(nn.Module):
         self.since_adopted = 0
         if self.drift is not None:
             self.drift.rebase(list(self._by_name.values()))
+        if self.variates is not None:
+            self._adopt_variates(model.version, model.mass)
         # Pushing its steps, the edge restarts their momentum with each global model; pushing raw
         # gradients (a no-op restart) it leaves the local optimizer as the user runs it.
         self.direction.restart()
         return True
+
+    def _adopt_variates(self, version: int, mass: float) -> None:
+        assert self.variates is not None
+        if version and not mass and not self._massless_warned:
+            self._massless_warned = True
+            log.warning(
+                "model %d says no step mass (the gateway's optimizer adds momentum or adapts its "
+                "steps, or hybrid mode): SCAFFOLD's fleet direction is not known, steps go uncorrected",
+                version,
+            )
+        params = list(self._by_name.values())
+        per_step = [n / g if n else 1.0 for g, n in (self._gains.get(id(p), (0.0, 0)) for p in params)]
+        self.variates.adopt(params, mass, per_step)
+        self._gains.clear()
 
     def wait_ready(self, timeout_s: float, stop: threading.Event | None = None) -> bool:
         """Wait (bounded, and no longer than `stop` is clear) until the gateway welcomed this edge
@@ -169,6 +190,13 @@ class ElasticEdge(nn.Module):
     # ------------------------------------------------------------ GradientSink
     def unit_ready(self, unit: int) -> None:
         params = [self.hooks.params[i] for i in self.hooks.plan[unit]]
+        if self.variates is not None:
+            self.variates.correct(params)  # on the data's gradient, before anything scales it
+            k, direction = self.since_adopted + 1, self.direction
+            for p in params:
+                gain = self._gains.setdefault(id(p), [0.0, 0])
+                gain[0] += direction.gain(p, k)
+                gain[1] += 1
         if self.horizon is not None:
             self.horizon.scale(params, self.since_adopted + 1)  # the data's gradient, not the pull
         if self.drift is not None:

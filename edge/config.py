@@ -48,6 +48,13 @@ class EdgeTrain:
         min=0.0,
         max=1000.0,
     )
+    scaffold: bool = setting(
+        False,
+        "SCAFFOLD's control variates: each local step's gradient g becomes g - c_i + c (this edge's "
+        "mean gradient out, the fleet's in, c read off the adopted models' changes over the step "
+        "mass their gateway applied), so an edge on skewed data steps along the fleet's direction; "
+        "needs the gateway's plain SGD (its default); costs three copies of the model",
+    )
     drift_horizon: int = setting(
         DRIFT_HORIZON,
         "local steps at full size after each adopted global model; later ones shrink as "

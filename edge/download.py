@@ -79,6 +79,7 @@ class ModelDownload:
         self.digest = 0
         self.base = 0  # a patch from this version is being assembled (0: a whole model)
         self.model_digest = 0  # the whole model's digest (for a patch: of the model it makes)
+        self.mass = 0.0  # the step mass of the version being assembled (ModelChunk.mass)
         self._sized = True  # the size is known (a patch's, only once its first chunk came)
         # The last model assembled, bit for bit the gateway's public model of that version: the
         # base of the next patch.  Never modified (a patch is applied to a copy).
@@ -220,6 +221,7 @@ class ModelDownload:
                 len(msg.data),
             )
             return None, None
+        self.mass = msg.mass  # the version's, on every chunk of it (edge/drift.py reads it)
         asked_at = self._asked.pop(i, None)
         if self._have[i]:
             self.stats.duplicates += 1
@@ -272,6 +274,7 @@ class ModelDownload:
             version=version,
             full=True,
             layers=tuple(LayerTensor(spec.name, Dense(layers[spec.name])) for spec in self.manifest),
+            mass=self.mass,
         )
 
     def _apply_patch(self, data: torch.Tensor) -> torch.Tensor | None:

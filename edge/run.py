@@ -197,6 +197,7 @@ def run(args: argparse.Namespace, config: EdgeConfig) -> int:
             audit=config.audit_mass,
             proximal_mu=config.train.prox_mu,
             drift_horizon=config.train.drift_horizon,
+            scaffold=config.train.scaffold,
         )
     except (OSError, CheckpointError) as exc:
         print(f"elasticfed edge: error: --state-dir {config.state_dir}: {exc}", file=sys.stderr)

@@ -203,6 +203,19 @@ class Rate(Kind):
 
 
 RATE = Rate()
+MAX_MASS = 1e15
+
+
+class Mass(Kind):
+    """A non-negative finite amount (a version's step mass), 0 when not known."""
+
+    def check(self, value: object, where: str) -> float:
+        if not (type(value) in (int, float) and math.isfinite(value) and 0 <= value <= MAX_MASS):  # type: ignore[arg-type]
+            raise _bad(where, f"a finite number in [0, {MAX_MASS:g}]", value)
+        return float(value)  # type: ignore[arg-type]
+
+
+MASS = Mass()
 ID = Str(256)
 CODE = Str(64)
 VERDICTS = VerdictList()
@@ -350,6 +363,7 @@ class Model(Message):
     version: int = wire(UINT)
     full: bool = wire(BOOL)
     layers: tuple[LayerTensor, ...] = wire(PARAMETERS)
+    mass: float = wire(MASS, default=0.0)  # as in ModelChunk
 
 
 @dataclass(frozen=True)
@@ -381,6 +395,13 @@ class ModelChunk(Message):
     `version` may differ from the one asked for: the gateway no longer serves that one, and
     the edge starts over on this one.  With `base`, the blob is the patch from `base` to
     `version`, and `model_digest` the digest of the whole model it makes.
+
+    `mass` is the version's step mass: the learning-rate-weighted step-gradients the gateway's
+    updates applied up to it (per round, the sum of lr x staleness weight x steps over the
+    round's divisor, a mean over layers; cumulative over this gateway instance).  Between two
+    versions, minus the model's change over the change of mass is the fleet's mean step
+    direction: SCAFFOLD's server control variate, without sending it (edge/drift.py).  0: not
+    known (a gateway whose optimizer adds momentum or adapts its steps, or hybrid mode).
     """
 
     TYPE: ClassVar[str] = "model_chunk"
@@ -391,6 +412,7 @@ class ModelChunk(Message):
     data: memoryview = wire(BLOB)
     base: int = wire(UINT, default=0)
     model_digest: int = wire(UINT64, default=0)
+    mass: float = wire(MASS, default=0.0)
 
 
 @dataclass(frozen=True)

@@ -162,7 +162,13 @@ messages = st.one_of(
     ),
     st.builds(Commit, durable_epoch=uints, gateway_id=st.text(max_size=256)),
     st.builds(ModelRequest, have_version=uints, names=st.lists(names, max_size=5).map(tuple)),
-    st.builds(Model, version=uints, full=st.booleans(), layers=parameter_layers),
+    st.builds(
+        Model,
+        version=uints,
+        full=st.booleans(),
+        layers=parameter_layers,
+        mass=st.floats(0.0, 1e15, allow_nan=False),
+    ),
     st.builds(ModelFetch, version=uints, offset=uints, length=uints),
     st.builds(
         ModelChunk,
@@ -171,6 +177,7 @@ messages = st.one_of(
         digest=st.integers(0, 2**64 - 1),
         offset=uints,
         data=st.binary(max_size=4096),
+        mass=st.floats(0.0, 1e15, allow_nan=False),
     ),
     st.builds(
         Heartbeat,

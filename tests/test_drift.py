@@ -1,5 +1,6 @@
-"""FedProx on the device (edge/drift.py): each local step, and what the edge pushes, is the gradient of
-the loss plus mu (w - w_anchor), the anchor being the last adopted global model."""
+"""Drift control on the device (edge/drift.py): FedProx (each local step, and what the edge pushes, is
+the gradient of the loss plus mu (w - w_anchor), the anchor being the last adopted global model),
+SCAFFOLD's control variates, and the drift horizon."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from torch import nn
 from common import config as cfg
 from edge.agent import ElasticEdge
 from edge.config import EdgeConfig
-from edge.drift import Horizon, Proximal
+from edge.drift import ControlVariates, Horizon, Proximal
 from edge.session import SessionOptions
 
 
@@ -133,3 +134,82 @@ def test_the_horizon_keeps_full_steps_until_it_and_is_checked() -> None:
     assert cfg.load(EdgeConfig, None, {"train.drift_horizon": "0"}).train.drift_horizon == 0
     with pytest.raises(cfg.ConfigError, match="--train-drift-horizon: must be >= 0"):
         cfg.load(EdgeConfig, None, {"train.drift_horizon": "-1"})
+
+
+def test_control_variates_by_hand() -> None:
+    """c_i is a moving average of the edge's gradients; c is minus the adopted models' change over
+    their step mass, times gradients per pushed step; each gradient becomes g - c_i + c once c is
+    known, and older stretches count half."""
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    cv = ControlVariates([w], decay=0.5)
+    w.grad = torch.tensor([4.0, 0.0])
+    cv.correct([w])
+    torch.testing.assert_close(cv.own(w), torch.tensor([2.0, 0.0]))  # 0.5 x 0 + 0.5 x g
+    torch.testing.assert_close(w.grad, torch.tensor([4.0, 0.0]))  # c unknown: uncorrected
+    cv.adopt([w], mass=3.0, gradients_per_step=[1.0])  # the first model: nothing to compare
+    assert not cv.known
+    with torch.no_grad():
+        w -= torch.tensor([0.6, -0.3])  # the gateway moved the model by 0.6, -0.3
+    cv.adopt([w], mass=6.0, gradients_per_step=[0.5])  # 3 units of mass later; momentum: 2 long
+    assert cv.known and cv.stretches == 1
+    torch.testing.assert_close(cv.fleet(w), torch.tensor([0.6, -0.3]) / 3.0 * 0.5)
+    w.grad = torch.tensor([0.0, 2.0])
+    cv.correct([w])
+    own = torch.tensor([1.0, 1.0])  # 0.5 x (2, 0) + 0.5 x (0, 2)
+    torch.testing.assert_close(cv.own(w), own)
+    torch.testing.assert_close(w.grad, torch.tensor([0.0, 2.0]) - own + torch.tensor([0.1, -0.05]))
+    with torch.no_grad():
+        w -= torch.tensor([0.2, 0.2])
+    cv.adopt([w], mass=7.0, gradients_per_step=[1.0])  # the old stretch counts half
+    moved = 0.5 * torch.tensor([0.6, -0.3]) + torch.tensor([0.2, 0.2])
+    torch.testing.assert_close(cv.fleet(w), moved / (0.5 * 3.0 + 1.0))
+    before = cv.fleet(w).clone()
+    with torch.no_grad():
+        w += 5.0
+    cv.adopt([w], mass=2.0, gradients_per_step=[1.0])  # mass went back (a new gateway): no lesson
+    cv.adopt([w], mass=0.0, gradients_per_step=[1.0])  # a version that says none: no lesson
+    torch.testing.assert_close(cv.fleet(w), before)
+    assert cv.stretches == 2
+    with pytest.raises(ValueError, match="decay must be in"):
+        ControlVariates([w], decay=1.0)
+
+
+def test_scaffold_on_an_edge_corrects_the_step_and_the_push_alike() -> None:
+    """With c known, the local step and the pushed sum both use g - c_i + c (what the gateway receives
+    is the step taken); the setting reaches the agent from the edge's config."""
+    model = _model()
+    agent = ElasticEdge(
+        model, SessionOptions(gateway="tcp://127.0.0.1:9", client_id="s"), start=False, scaffold=True
+    )
+    assert agent.variates is not None
+    params = list(model.parameters())
+    agent.variates.adopt(params, 1.0, [1.0] * len(params))
+    with torch.no_grad():
+        for p in params:
+            p -= 0.01
+    agent.variates.adopt(params, 2.0, [1.0] * len(params))  # c = 0.01 everywhere
+    opt = torch.optim.SGD(agent.parameters(), lr=0.3)
+    start = [p.detach().clone() for p in params]
+    raw_sum = [torch.zeros_like(p) for p in params]
+    own = [torch.zeros_like(p) for p in params]
+    expected = [torch.zeros_like(p) for p in params]
+    for step in range(3):
+        x, y = _batch(step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(agent(x), y).backward()
+        for i, p in enumerate(params):
+            # the raw gradient, recovered from the corrected one and the variates as they are now
+            raw = p.grad - 0.01 + agent.variates.own(p)
+            own[i] = 0.99 * own[i] + 0.01 * raw
+            torch.testing.assert_close(agent.variates.own(p), own[i], rtol=1e-5, atol=1e-7)
+            raw_sum[i] += raw
+            expected[i] += raw - own[i] + 0.01
+        opt.step()
+    cached = {}
+    for unit in agent.cache.units:
+        cached.update(zip(unit.names, unit.views(unit.pending)))
+    for (name, p), s, e in zip(model.named_parameters(), start, expected):
+        torch.testing.assert_close(s - p.detach(), 0.3 * e, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(cached[name], e, rtol=1e-5, atol=1e-6)
+    assert cfg.load(EdgeConfig, None, {"train.scaffold": "true"}).train.scaffold is True
+    assert cfg.load(EdgeConfig, None, {}).train.scaffold is False

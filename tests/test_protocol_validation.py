@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -19,6 +20,7 @@ from protocol import (
     LowRank,
     Manifest,
     Model,
+    ModelChunk,
     ProtocolError,
     Push,
     Quantized,
@@ -90,6 +92,18 @@ def test_good_push_decodes() -> None:
     assert said.lr == 0.05
     with pytest.raises(ProtocolError, match=r"push\.lr: expected a learning rate"):
         decode(edit_header(good_push(), lambda h: h.update(lr=-1)), manifest=MANIFEST)
+
+
+def test_a_model_chunk_says_a_step_mass_or_none() -> None:
+    chunk = ModelChunk(version=3, size=4, digest=1, offset=0, data=memoryview(b"abcd"))
+    assert decode(encode(chunk)).mass == 0.0  # not known
+    said = decode(encode(dataclasses.replace(chunk, mass=12.5)))
+    assert said.mass == 12.5
+    for bad in (-1.0, float("nan"), float("inf"), 1e16, True, "3"):
+        frames = edit_header(encode(chunk), lambda h, bad=bad: h.update(mass=bad))
+        error = refused(frames)
+        assert error.reason is Reason.BAD_FIELD, bad
+        assert "model_chunk.mass: expected a finite number in [0, 1e+15]" in str(error)
 
 
 CASES: dict[str, tuple[Callable[[], list], Reason]] = {

@@ -19,7 +19,7 @@ from cloud.serve import build_gateway, contradictions
 from cloud.server_optimizers import Yogi, server_optimizer
 from cloud.watch import LossWatch
 from common.task import load_task
-from protocol import Dense, LayerGradient, Push
+from protocol import Dense, LayerGradient, ModelChunk, ModelFetch, Push
 from tests.test_gateway import Peer, make_model
 
 EDGE_LR = 0.1
@@ -53,6 +53,52 @@ def rounds_of(gw: Gateway, count: int, seed: int = 0) -> Iterator[dict[str, torc
         gw.poll_once(0.0)
         assert gw.version == r + 1
         yield {n: EDGE_LR * (sa[n] + sb[n]) / 2 for n in gw.names}
+
+
+def test_each_version_says_its_step_mass_so_its_change_gives_the_mean_pushed_direction() -> None:
+    """ModelChunk.mass (SCAFFOLD's fleet direction on the edge, edge/drift.py): per round, lr x scale x
+    steps over the divisor; minus the model's change over the mass's is the mean pushed direction."""
+    gw = two_edge_gateway(lambda ps: server_optimizer("sgd", ps, 0.5), 0.5)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        before = {n: p.detach().clone() for n, p in zip(gw.names, gw.params)}
+        a, b = Peer(gw, "a"), Peer(gw, "b")
+        a.hello(gw.manifest)
+        b.hello(gw.manifest)
+        sa = {n: torch.randn(p.shape, generator=gen) for n, p in zip(gw.names, gw.params)}
+        sb = {n: torch.randn(p.shape, generator=gen) for n, p in zip(gw.names, gw.params)}
+        assert a.push(1, sa, count=7).accepted and b.push(1, sb, count=1).accepted
+        gw.poll_once(0.0)
+        assert gw.version == 1
+        assert gw.mass == pytest.approx(EDGE_LR * (7 + 1) / 2)  # 8 steps at the edges' rate, over 2
+        for n, p in zip(gw.names, gw.params):
+            mean_direction = (sa[n] + sb[n]) / 8
+            torch.testing.assert_close(-(p.detach() - before[n]) / gw.mass, mean_direction)
+        chunk = newest_chunk(a)
+        assert chunk.version == 1 and chunk.mass == pytest.approx(gw.mass)
+    finally:
+        gw.close()
+    for bent in (
+        two_edge_gateway(lambda ps: server_optimizer("sgd", ps, 0.5, 0.9), 0.5),
+        two_edge_gateway(lambda ps: server_optimizer("adam", ps, 0.01), 1.0),
+    ):
+        try:  # momentum or Adam bends the step: the mass says nothing, so it is not said
+            list(rounds_of(bent, 1))
+            peer = Peer(bent, "c")
+            peer.hello(bent.manifest)
+            chunk = newest_chunk(peer)
+            assert chunk.version == 1 and chunk.mass == 0.0
+        finally:
+            bent.close()
+
+
+def newest_chunk(peer: Peer) -> ModelChunk:
+    peer.send(ModelFetch(version=0, offset=0, length=1 << 20))
+    for _ in range(100):
+        msg = peer.recv()
+        if isinstance(msg, ModelChunk):
+            return msg
+    raise AssertionError("no model chunk")
 
 
 def test_fedadam_steps_adam_on_the_mean_move() -> None:
