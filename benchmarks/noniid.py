@@ -114,6 +114,8 @@ def run_ours(name: str, config: DemoConfig, gateway: dict[str, Any] | None = Non
     demo.run(None, config, out=log, result=figures, gateway_settings=gateway)
     if not figures.get("audit_ok"):
         print(f"noniid: {name}: the count audit failed:\n{log.getvalue()}", file=sys.stderr)
+    if figures.get("diverged"):
+        print(f"noniid: {name}: the gateway stopped: {figures['diverged']}", file=sys.stderr)
     produced = figures.get("produced_steps", 0)
     figures["stale_dropped_share"] = (
         round(figures.get("dropped_stale_steps", 0) / produced, 4) if produced else None

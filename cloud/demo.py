@@ -34,8 +34,8 @@ import torch
 
 from cloud.admission import CurveAdmission
 from cloud.config import CloudConfig, DemoConfig, GatewaySettings
-from cloud.gateway import RoundSummary
-from cloud.serve import build_gateway, totals
+from cloud.gateway import GatewayDiverged, RoundSummary
+from cloud.serve import EXIT_DIVERGED, build_gateway, totals
 from common.keys import KeyFolder, generate
 from common.link import Faults
 from common.task import Task, TaskError, load_task, shard
@@ -315,7 +315,14 @@ def run(
     gateway = build_gateway(cloud, task, on_round, admission)
     endpoint = gateway.bind()
     stop_gateway = threading.Event()
-    serving = threading.Thread(target=gateway.serve, args=(stop_gateway,), name="gateway", daemon=True)
+
+    def serve() -> None:
+        try:
+            gateway.serve(stop_gateway)
+        except GatewayDiverged:
+            pass  # logged, and in gateway.diverged: the loop below stops and the report says why
+
+    serving = threading.Thread(target=serve, name="gateway", daemon=True)
 
     print(
         f"elasticfed demo: gateway on {endpoint}, {config.edges} edge processes, task {task.name}, "
@@ -366,7 +373,7 @@ def run(
             progress.draw(current, score, edges, stale, now - started)
             if current >= config.rounds or (training_started and now - training >= config.time_limit_s):
                 break
-            if all(e.proc.poll() is not None for e in edges):
+            if all(e.proc.poll() is not None for e in edges) or gateway.diverged is not None:
                 break
     finally:
         progress.end()
@@ -376,7 +383,7 @@ def run(
         codes = [e.finish(timeout=60) for e in edges]
         stop_gateway.set()
         serving.join(timeout=10)
-    if gateway.open.opened_at is not None:
+    if gateway.open.opened_at is not None and gateway.diverged is None:
         gateway.close_round()  # what arrived while the edges drained is in the model too
     score = task.evaluate(gateway.model, test_set)
     if trace is not None:
@@ -490,7 +497,9 @@ def _report(
         f"{held_total} still held by edges",
         file=out,
     )
-    if task.sample is not None:
+    if gateway.diverged is not None:
+        print(f"  DIVERGED           {gateway.diverged}", file=out)
+    elif task.sample is not None:
         _show_sample(out, task.sample(gateway.model))
     figures = {
         **task.figures(round(score, 4)),
@@ -509,10 +518,13 @@ def _report(
         "held_steps": held_total,
         "duplicates": int(g.get("gateway_duplicates_total", 0)),
         "audit_ok": audit_ok,
+        "diverged": gateway.diverged,
     }
     if result is not None:
         result.update(figures)
         result["model_state"] = {k: v.detach().clone() for k, v in gateway.model.state_dict().items()}
+    if gateway.diverged is not None:
+        return EXIT_DIVERGED, figures
     return 0 if audit_ok and all(c == 0 for c in codes) else 1, figures
 
 

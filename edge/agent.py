@@ -89,8 +89,7 @@ class ElasticEdge(nn.Module):
         self.horizon = Horizon(drift_horizon) if drift_horizon else None
         # SCAFFOLD (edge/drift.py): g - c_i + c, c read off the adopted models' step mass.
         self.variates = ControlVariates([p for _, p in named]) if scaffold else None
-        self._gains: dict[int, list[float]] = {}  # param id -> [sum of direction gains, steps]
-        self._massless_warned = False
+        self._scaffold_warned = False
         self.since_adopted = 0  # steps taken from the model loaded last (the bound's clock)
         self.version = model_version  # the global model version this edge trains from
         self.steps = 0  # backwards that reached the sink
@@ -126,6 +125,8 @@ class ElasticEdge(nn.Module):
     # -------------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.adopt_newest()
+        if self.variates is not None:
+            self._correct_drift()
         return self.hooks.arm(self.module(*args, **kwargs))
 
     def adopt_newest(self) -> bool:
@@ -152,17 +153,26 @@ class ElasticEdge(nn.Module):
 
     def _adopt_variates(self, version: int, mass: float) -> None:
         assert self.variates is not None
-        if version and not mass and not self._massless_warned:
-            self._massless_warned = True
+        if version and not mass and not self._scaffold_warned:
+            self._scaffold_warned = True
             log.warning(
                 "model %d says no step mass (the gateway's optimizer adds momentum or adapts its "
                 "steps, or hybrid mode): SCAFFOLD's fleet direction is not known, steps go uncorrected",
                 version,
             )
-        params = list(self._by_name.values())
-        per_step = [n / g if n else 1.0 for g, n in (self._gains.get(id(p), (0.0, 0)) for p in params)]
-        self.variates.adopt(params, mass, per_step)
-        self._gains.clear()
+        self.variates.adopt(list(self._by_name.values()), mass)
+
+    def _correct_drift(self) -> None:
+        """SCAFFOLD's move for the steps since the last forward pass, at the cache's rate unit (its
+        directions' unit): -rate x (c - c_i) each."""
+        assert self.variates is not None
+        rate = self.cache.lr
+        if rate is None:
+            if self.steps and not self._scaffold_warned:
+                self._scaffold_warned = True
+                log.warning("SCAFFOLD needs the edge's learning rate (follow() or lr=): steps go uncorrected")
+            return
+        self.variates.correct(list(self._by_name.values()), rate)
 
     def wait_ready(self, timeout_s: float, stop: threading.Event | None = None) -> bool:
         """Wait (bounded, and no longer than `stop` is clear) until the gateway welcomed this edge
@@ -190,13 +200,6 @@ class ElasticEdge(nn.Module):
     # ------------------------------------------------------------ GradientSink
     def unit_ready(self, unit: int) -> None:
         params = [self.hooks.params[i] for i in self.hooks.plan[unit]]
-        if self.variates is not None:
-            self.variates.correct(params)  # on the data's gradient, before anything scales it
-            k, direction = self.since_adopted + 1, self.direction
-            for p in params:
-                gain = self._gains.setdefault(id(p), [0.0, 0])
-                gain[0] += direction.gain(p, k)
-                gain[1] += 1
         if self.horizon is not None:
             self.horizon.scale(params, self.since_adopted + 1)  # the data's gradient, not the pull
         if self.drift is not None:
@@ -215,6 +218,8 @@ class ElasticEdge(nn.Module):
             self._diverged = True
             return
         self.cache.add(unit, grads, self.version)
+        if self.variates is not None:
+            self.variates.observe(params, grads)  # what is pushed: the uncorrected directions
         if (self.steps + 1) % self.sync_every == 0:
             self.session.request_sync([unit])
 
@@ -256,6 +261,8 @@ class ElasticEdge(nn.Module):
             steps_since_adopted=self.since_adopted,
             nonfinite_steps=self.nonfinite_steps,
         )
+        if self.variates is not None:  # stretches the fleet's direction was read off (0: uncorrected)
+            out["scaffold_stretches"] = self.variates.stretches
         # Counts over this device's saved history (edge/persistence.py), not only this process.
         out["produced_steps"] = {name: unit.produced for unit in self.cache.units for name in unit.names}
         out["durable_by_layer"] = {name: unit.durable for unit in self.cache.units for name in unit.names}

@@ -50,10 +50,11 @@ class EdgeTrain:
     )
     scaffold: bool = setting(
         False,
-        "SCAFFOLD's control variates: each local step's gradient g becomes g - c_i + c (this edge's "
-        "mean gradient out, the fleet's in, c read off the adopted models' changes over the step "
-        "mass their gateway applied), so an edge on skewed data steps along the fleet's direction; "
-        "needs the gateway's plain SGD (its default); costs three copies of the model",
+        "SCAFFOLD's control variates: each local step also moves the model by -lr (c - c_i), this "
+        "edge's mean direction out and the fleet's in (c read off the adopted models' changes over "
+        "the step mass their gateway applied), so an edge on skewed data walks along the fleet's "
+        "direction; pushes stay the optimizer's steps; needs the gateway's plain SGD (its default); "
+        "costs three copies of the model",
     )
     drift_horizon: int = setting(
         DRIFT_HORIZON,

@@ -37,11 +37,6 @@ class Direction(Protocol):
         """A newer global model was loaded: the local run starts from it afresh."""
         ...
 
-    def gain(self, param: torch.Tensor, k: int) -> float:
-        """How many gradients long the k-th step's direction after a restart is, for a constant
-        gradient (1 without momentum): what turns pushed directions back into gradients."""
-        ...
-
 
 class RawGradient:
     """What an edge that follows no optimizer pushes: the gradient itself (plain SGD's direction)."""
@@ -51,9 +46,6 @@ class RawGradient:
 
     def restart(self) -> None:
         pass
-
-    def gain(self, param: torch.Tensor, k: int) -> float:
-        return 1.0
 
 
 class SgdDirection:
@@ -96,17 +88,6 @@ class SgdDirection:
         # torch: the first step's buffer is the direction itself; later ones blend in the old buffer.
         new = d.clone() if buf is None else buf.mul(beta).add_(d, alpha=1 - group["dampening"])
         return d.add(new, alpha=beta) if group["nesterov"] else new
-
-    def gain(self, param: torch.Tensor, k: int) -> float:
-        group = self._groups.get(id(param))
-        if group is None:
-            raise ValueError("a parameter the followed optimizer does not update")
-        beta, keep = group["momentum"], 1.0 - group["dampening"]
-        if not beta:
-            return 1.0
-        # buf_1 = g, buf_k = beta buf_(k-1) + keep g: beta^(k-1) + keep (1 - beta^(k-1)) / (1 - beta).
-        buf = beta ** (k - 1) + keep * (1.0 - beta ** (k - 1)) / (1.0 - beta)
-        return 1.0 + beta * buf if group["nesterov"] else buf
 
     def restart(self) -> None:
         # As a FedAvg client's fresh optimizer each round: momentum built on the model just

@@ -104,3 +104,28 @@ def test_the_demo_gives_up_waiting_for_a_start_at_the_deadline(tmp_path: Path) -
     edge = _EdgeProcess("slow", [sys.executable, "-c", SLOW_STARTER, "60"], tmp_path / "slow.log")
     edge.stop(start_deadline=time.monotonic())  # the start-up limit has passed: stop it now
     assert edge.finish(timeout=60) == -15 and edge.summary is None
+
+
+@pytest.mark.slow
+def test_a_demo_whose_gateway_diverges_stops_and_says_so() -> None:
+    # FedAdam at a learning rate of 10 per coordinate blows the model up in its first round; the
+    # gateway stops applying (its loss watch) and the demo must stop with it, say why and exit with
+    # serve's code, instead of training on to its budget and printing the broken model's accuracy
+    # as a result.
+    import io
+
+    from cloud import demo
+    from cloud.config import DemoConfig
+    from cloud.serve import EXIT_DIVERGED
+
+    out = io.StringIO()
+    figures: dict = {}
+    config = DemoConfig(edges=2, loss=0.0, rounds=100_000, time_limit_s=300.0, drain_s=5.0, insecure=True)
+    adam = {"optimizer": "adam", "lr": 10.0, "momentum": 0.0}
+    code = demo.run(None, config, out=out, result=figures, gateway_settings=adam)
+    text = out.getvalue()
+    assert code == EXIT_DIVERGED, text[-2000:]
+    assert "lower --gateway-lr" in (figures["diverged"] or "")
+    assert "DIVERGED" in text and "lower --gateway-lr" in text
+    assert figures["seconds"] < 150, text[-2000:]  # it stopped with the gateway, not at its 300 s budget
+    assert figures["audit_ok"]  # what the edges produced is still accounted for

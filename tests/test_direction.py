@@ -51,26 +51,6 @@ def test_the_direction_is_what_the_step_then_subtracts_over_the_learning_rate(se
             torch.testing.assert_close(b - p.detach(), 0.3 * d, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
-def test_the_gain_is_how_many_gradients_long_each_step_after_a_restart_is(settings: dict) -> None:
-    """What SCAFFOLD's fleet direction is divided by (edge/drift.py): for a constant gradient, the
-    k-th direction after a restart is gain(k) gradients long."""
-    w = nn.Parameter(torch.zeros(3))
-    opt = torch.optim.SGD([w], lr=0.1, **{k: v for k, v in settings.items() if k != "weight_decay"})
-    direction = SgdDirection(opt)
-    g = torch.tensor([1.0, -2.0, 0.5])
-    for k in range(1, 40):
-        w.grad = g.clone()
-        torch.testing.assert_close(direction(w, w.grad), direction.gain(w, k) * g, rtol=1e-5, atol=1e-6)
-        opt.step()
-        if k == 20:
-            direction.restart()
-            break
-    assert RawGradient().gain(w, 7) == 1.0
-    if settings.get("momentum") == 0.9 and len(settings) == 1:
-        assert direction.gain(w, 1) == 1.0 and direction.gain(w, 10_000) == pytest.approx(10.0)
-
-
 def test_an_edge_that_follows_its_optimizer_caches_its_local_move() -> None:
     model = _model()
     agent = ElasticEdge(model, SessionOptions(gateway="tcp://127.0.0.1:9", client_id="e"), start=False)

@@ -4,6 +4,8 @@ SCAFFOLD's control variates, and the drift horizon."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -137,79 +139,148 @@ def test_the_horizon_keeps_full_steps_until_it_and_is_checked() -> None:
 
 
 def test_control_variates_by_hand() -> None:
-    """c_i is a moving average of the edge's gradients; c is minus the adopted models' change over
-    their step mass, times gradients per pushed step; each gradient becomes g - c_i + c once c is
-    known, and older stretches count half."""
+    """c_i is a (warm-up corrected) moving average of the pushed directions; c is minus the adopted
+    models' change over their step mass, older stretches fading as c_i's old steps do; once c is
+    known each observed step moves the model by -rate x (c - c_i)."""
     w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
     cv = ControlVariates([w], decay=0.5)
-    w.grad = torch.tensor([4.0, 0.0])
-    cv.correct([w])
-    torch.testing.assert_close(cv.own(w), torch.tensor([2.0, 0.0]))  # 0.5 x 0 + 0.5 x g
-    torch.testing.assert_close(w.grad, torch.tensor([4.0, 0.0]))  # c unknown: uncorrected
-    cv.adopt([w], mass=3.0, gradients_per_step=[1.0])  # the first model: nothing to compare
+    cv.observe([w], [torch.tensor([4.0, 0.0])])
+    torch.testing.assert_close(cv.own(w), torch.tensor([4.0, 0.0]))  # one step: its direction
+    cv.correct([w], rate=0.1)
+    torch.testing.assert_close(w.detach(), torch.tensor([1.0, 2.0]))  # c unknown: no move
+    cv.adopt([w], mass=3.0)  # the first model: nothing to compare with
     assert not cv.known
     with torch.no_grad():
-        w -= torch.tensor([0.6, -0.3])  # the gateway moved the model by 0.6, -0.3
-    cv.adopt([w], mass=6.0, gradients_per_step=[0.5])  # 3 units of mass later; momentum: 2 long
+        w -= torch.tensor([0.6, -0.3])  # the gateway moved the model by -0.6, +0.3
+    cv.adopt([w], mass=6.0)  # 3 units of step mass later
     assert cv.known and cv.stretches == 1
-    torch.testing.assert_close(cv.fleet(w), torch.tensor([0.6, -0.3]) / 3.0 * 0.5)
-    w.grad = torch.tensor([0.0, 2.0])
-    cv.correct([w])
-    own = torch.tensor([1.0, 1.0])  # 0.5 x (2, 0) + 0.5 x (0, 2)
+    torch.testing.assert_close(cv.fleet(w), torch.tensor([0.2, -0.1]))
+    at = w.detach().clone()
+    cv.observe([w], [torch.tensor([0.0, 2.0])])
+    cv.observe([w], [torch.tensor([0.0, 2.0])])  # two steps before the next forward pass
+    # weights 0.25, 0.5, 1 on (4, 0), (0, 2), (0, 2), over their sum 1.75
+    own = torch.tensor([1.0, 3.0]) / 1.75
     torch.testing.assert_close(cv.own(w), own)
-    torch.testing.assert_close(w.grad, torch.tensor([0.0, 2.0]) - own + torch.tensor([0.1, -0.05]))
+    cv.correct([w], rate=0.1)
+    torch.testing.assert_close(w.detach(), at - 0.1 * 2 * (torch.tensor([0.2, -0.1]) - own))
+    cv.correct([w], rate=0.1)  # nothing observed since: no move
+    torch.testing.assert_close(w.detach(), at - 0.1 * 2 * (torch.tensor([0.2, -0.1]) - own))
+    before_adopt = w.detach().clone()
     with torch.no_grad():
         w -= torch.tensor([0.2, 0.2])
-    cv.adopt([w], mass=7.0, gradients_per_step=[1.0])  # the old stretch counts half
-    moved = 0.5 * torch.tensor([0.6, -0.3]) + torch.tensor([0.2, 0.2])
-    torch.testing.assert_close(cv.fleet(w), moved / (0.5 * 3.0 + 1.0))
+    cv.observe([w], [torch.tensor([1.0, 1.0])])
+    cv.adopt([w], mass=7.0)  # 3 steps this stretch: the old one fades by 0.5^3; the pending step is moot
+    moved = 0.125 * torch.tensor([0.6, -0.3]) + (before_adopt - w.detach()) + (at - before_adopt)
+    torch.testing.assert_close(cv.fleet(w), moved / (0.125 * 3.0 + 1.0))
+    at = w.detach().clone()
+    cv.correct([w], rate=0.1)
+    torch.testing.assert_close(w.detach(), at)
     before = cv.fleet(w).clone()
     with torch.no_grad():
         w += 5.0
-    cv.adopt([w], mass=2.0, gradients_per_step=[1.0])  # mass went back (a new gateway): no lesson
-    cv.adopt([w], mass=0.0, gradients_per_step=[1.0])  # a version that says none: no lesson
+    cv.adopt([w], mass=2.0)  # the mass went back (a restarted gateway): no lesson
+    cv.adopt([w], mass=0.0)  # a version that says none: no lesson
     torch.testing.assert_close(cv.fleet(w), before)
     assert cv.stretches == 2
     with pytest.raises(ValueError, match="decay must be in"):
         ControlVariates([w], decay=1.0)
 
 
-def test_scaffold_on_an_edge_corrects_the_step_and_the_push_alike() -> None:
-    """With c known, the local step and the pushed sum both use g - c_i + c (what the gateway receives
-    is the step taken); the setting reaches the agent from the edge's config."""
+def test_scaffold_on_an_edge_pushes_the_steps_and_moves_the_model_by_the_correction() -> None:
+    """With c known, the pushed sum is exactly the optimizer's steps (as without SCAFFOLD) and each
+    step also moves the model by -lr (c - c_i) before the next forward pass."""
     model = _model()
     agent = ElasticEdge(
         model, SessionOptions(gateway="tcp://127.0.0.1:9", client_id="s"), start=False, scaffold=True
     )
     assert agent.variates is not None
     params = list(model.parameters())
-    agent.variates.adopt(params, 1.0, [1.0] * len(params))
+    agent.variates.adopt(params, 1.0)
     with torch.no_grad():
         for p in params:
             p -= 0.01
-    agent.variates.adopt(params, 2.0, [1.0] * len(params))  # c = 0.01 everywhere
-    opt = torch.optim.SGD(agent.parameters(), lr=0.3)
-    start = [p.detach().clone() for p in params]
-    raw_sum = [torch.zeros_like(p) for p in params]
-    own = [torch.zeros_like(p) for p in params]
-    expected = [torch.zeros_like(p) for p in params]
-    for step in range(3):
+    agent.variates.adopt(params, 2.0)  # c = 0.01 everywhere
+    assert agent.status()["scaffold_stretches"] == 1
+    lr = 0.3
+    opt = torch.optim.SGD(agent.parameters(), lr=lr)
+    agent.follow(opt)
+    pushed = [torch.zeros_like(p) for p in params]
+    own_now: list[torch.Tensor] = []
+    for step in range(4):
         x, y = _batch(step)
         opt.zero_grad()
-        nn.functional.cross_entropy(agent(x), y).backward()
+        before = [p.detach().clone() for p in params]
+        d = agent.variates.decay
+        own_sum = [agent.variates.own(p) * (1 - d**step) / (1 - d) for p in params]  # undo the mean
+        loss = nn.functional.cross_entropy(agent(x), y)  # the forward pass applies the last correction
+        if step:
+            for p, b, o in zip(params, before, own_now):
+                torch.testing.assert_close(p.detach(), b - lr * (0.01 - o), rtol=1e-5, atol=1e-7)
+        loss.backward()
         for i, p in enumerate(params):
-            # the raw gradient, recovered from the corrected one and the variates as they are now
-            raw = p.grad - 0.01 + agent.variates.own(p)
-            own[i] = 0.99 * own[i] + 0.01 * raw
-            torch.testing.assert_close(agent.variates.own(p), own[i], rtol=1e-5, atol=1e-7)
-            raw_sum[i] += raw
-            expected[i] += raw - own[i] + 0.01
+            pushed[i] += p.grad
+            mean = (d * own_sum[i] + p.grad) * (1 - d) / (1 - d ** (step + 1))
+            torch.testing.assert_close(agent.variates.own(p), mean, rtol=1e-5, atol=1e-7)
+        own_now = [agent.variates.own(p).clone() for p in params]
         opt.step()
     cached = {}
     for unit in agent.cache.units:
         cached.update(zip(unit.names, unit.views(unit.pending)))
-    for (name, p), s, e in zip(model.named_parameters(), start, expected):
-        torch.testing.assert_close(s - p.detach(), 0.3 * e, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(cached[name], e, rtol=1e-5, atol=1e-6)
+    for (name, _), s in zip(model.named_parameters(), pushed):
+        torch.testing.assert_close(cached[name], s, rtol=1e-5, atol=1e-6)
     assert cfg.load(EdgeConfig, None, {"train.scaffold": "true"}).train.scaffold is True
     assert cfg.load(EdgeConfig, None, {}).train.scaffold is False
+
+
+@pytest.mark.parametrize(
+    ("downlink_ratio", "steps", "tolerance"),
+    [(0.0, 1000, 0.1), (0.02, 2000, 0.25)],
+    ids=["whole models", "top-k patches"],
+)
+def test_scaffold_reads_the_fleet_direction_off_a_real_gateway(
+    downlink_ratio: float, steps: int, tolerance: float
+) -> None:
+    """One edge is the whole fleet and its gradient is constant (a loss linear in the weights), so the
+    fleet's direction read off the adopted models (through the real download path and the step mass
+    each version says) must be this edge's own mean pushed direction, c_i.  Patches leave the public
+    model up to tens of versions behind the gateway's in each entry: over c's window of about 500
+    steps that lag is the tolerance."""
+    from fleet import serving
+
+    from cloud.aggregation import Buffered, DeadlineQuorum
+    from cloud.gateway import Gateway, GatewayOptions
+
+    lr = 0.01
+    torch.manual_seed(0)
+    gw_model = nn.Linear(32, 16)
+    gw = Gateway(
+        gw_model,
+        torch.optim.SGD(gw_model.parameters(), lr=lr),
+        GatewayOptions(bind="tcp://127.0.0.1:0", downlink_ratio=downlink_ratio),
+        weighting=Buffered(edge_lr=lr, gateway_lr=lr, expected=1, exponent=0.5, max_staleness=1000),
+        rounds=DeadlineQuorum(deadline_s=0.02, quorum=1),
+    )
+    x, coef = torch.randn(5, 32), torch.randn(5, 16)
+    with serving(gw):
+        torch.manual_seed(0)
+        agent = ElasticEdge(
+            nn.Linear(32, 16), SessionOptions(gateway=gw.bound_endpoint, client_id="alone"), scaffold=True
+        )
+        try:
+            assert agent.wait_ready(30)
+            opt = torch.optim.SGD(agent.parameters(), lr=lr, momentum=0.9)
+            agent.follow(opt)
+            deadline = time.monotonic() + 60
+            taken = 0
+            while (agent.variates.stretches < 5 or taken < steps) and time.monotonic() < deadline:  # type: ignore[union-attr]
+                opt.zero_grad()
+                (agent(x) * coef).sum().backward()  # d/dw: constant
+                opt.step()
+                taken += 1
+            assert agent.variates is not None and agent.variates.stretches >= 5
+            for p in agent.parameters():
+                own, fleet = agent.variates.own(p), agent.variates.fleet(p)
+                error = torch.linalg.vector_norm(fleet - own) / torch.linalg.vector_norm(own)
+                assert float(error) < tolerance, float(error)
+        finally:
+            agent.close()
