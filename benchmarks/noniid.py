@@ -124,7 +124,8 @@ def run_ours(name: str, config: DemoConfig, gateway: dict[str, Any] | None = Non
     metric = figures.get("metric", "accuracy")
     audit = "OK" if figures.get("audit_ok") else "FAILED"
     print(
-        f"  {name}: {metric} {figures.get(metric)} after {figures.get('rounds')} rounds, "
+        f"  {name}: {metric} {figures.get(metric)} (live model {figures.get('live', {}).get(metric)}) "
+        f"after {figures.get('rounds')} rounds, "
         f"stale-dropped {figures['stale_dropped_share']}, audit {audit} "
         f"({figures['wall_s']} s)",
         flush=True,
@@ -194,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             fig = run_ours(f"{label}, {partition}", config, gateway)
             runs[f"{label} {partition}"] = {
                 "acc": fig["accuracy"],
+                "live_acc": fig.get("live", {}).get("accuracy"),  # the model edges train from
                 "sites": site_accuracies(task, fig["model_state"], mixes),
                 "stale_dropped_share": fig["stale_dropped_share"],
                 "rounds": fig["rounds"],

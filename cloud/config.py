@@ -98,6 +98,13 @@ class GatewaySettings:
         "of the gateway's time; 0: off)",
         check=lambda v: None if v == 0 or v > 1 else f"must be 0 (off) or above 1, got {v}",
     )
+    ema_window: int = setting(
+        50,
+        "the model the gateway reports and saves as its result is the moving average of its last "
+        "this many versions (cloud/ema.py): on skewed sites the live model leans towards whoever "
+        "delivered last; edges always train from the live model (0: report the live model)",
+        min=0,
+    )
     lr_decay_rounds: int = setting(
         0, "decay the learning rate along a cosine over this many rounds, to 5% (0: constant)", min=0
     )

@@ -35,7 +35,7 @@ import torch
 from cloud.admission import CurveAdmission
 from cloud.config import CloudConfig, DemoConfig, GatewaySettings
 from cloud.gateway import GatewayDiverged, RoundSummary
-from cloud.serve import EXIT_DIVERGED, build_gateway, totals
+from cloud.serve import EXIT_DIVERGED, build_gateway, evaluate_averaged, totals
 from common.keys import KeyFolder, generate
 from common.link import Faults
 from common.task import Task, TaskError, load_task, shard
@@ -289,6 +289,7 @@ def run(
     staleness = 0.0
     round_lock = threading.Lock()
     trace_pace = _Pace()
+    trace_model = task.build_model()
 
     def on_round(summary: RoundSummary) -> None:
         nonlocal rounds_closed, staleness
@@ -303,7 +304,7 @@ def run(
                 # In the gateway's thread (its model is consistent here): every round on digits (about
                 # a millisecond each), less often where one evaluation costs more (a language model).
                 with trace_pace:
-                    score = task.evaluate(gateway.model, test_set)
+                    score = _evaluate(task, trace_model, test_set, gateway)  # the model it reports
                 trace.append((time.monotonic() - training, summary.version, score))
 
     logs = Path(tempfile.mkdtemp(prefix="elasticfed-demo-"))
@@ -385,11 +386,12 @@ def run(
         serving.join(timeout=10)
     if gateway.open.opened_at is not None and gateway.diverged is None:
         gateway.close_round()  # what arrived while the edges drained is in the model too
-    score = task.evaluate(gateway.model, test_set)
+    live = task.evaluate(gateway.model, test_set)
+    score = evaluate_averaged(task, gateway, test_set)
     if trace is not None:
         trace.append((time.monotonic() - training, gateway.version, score))
     code, figures = _report(
-        out, task, config, gateway, edges, codes, score, trained_s, time.monotonic() - started, result
+        out, task, config, gateway, edges, codes, (score, live), trained_s, time.monotonic() - started, result
     )
     if config.keep or code != 0:
         print(f"  edge logs{' and keys' if admission else ''} kept in {logs}", file=out)
@@ -420,7 +422,7 @@ class _Pace:
 
 
 def _evaluate(task: Any, model: torch.nn.Module, test_set: Any, gateway: Any) -> float:
-    model.load_state_dict(gateway.snapshot(), strict=False)
+    model.load_state_dict(gateway.averaged(), strict=False)  # the model the gateway reports
     return task.evaluate(model, test_set)
 
 
@@ -431,7 +433,7 @@ def _report(
     gateway: Any,
     edges: list[_EdgeProcess],
     codes: list[int | None],
-    score: float,
+    scores: tuple[float, float],
     trained_s: float,
     total_s: float,
     result: dict[str, Any] | None = None,
@@ -481,8 +483,13 @@ def _report(
     resent = sum(r[4] for r in rows)
     sent_bytes = sum(r[5] for r in rows)
     print("", file=out)
+    score, live = scores
     name = "test " + task.metric.replace("_", " ")
-    print(f"  {name:<18} {task.format_metric(score)} ({task.direction})", file=out)
+    averaged = ""
+    if gateway.ema is not None:
+        live_figure = task.format_metric(live)
+        averaged = f"; the average of the last {gateway.ema.window} versions, the live model {live_figure}"
+    print(f"  {name:<18} {task.format_metric(score)} ({task.direction}{averaged})", file=out)
     print(f"  rounds             {gateway.version}", file=out)
     print(f"  time               {total_s:.1f} s ({trained_s:.1f} s training)", file=out)
     print(
@@ -503,6 +510,7 @@ def _report(
         _show_sample(out, task.sample(gateway.model))
     figures = {
         **task.figures(round(score, 4)),
+        "live": task.figures(round(live, 4)),
         "rounds": gateway.version,
         "seconds": round(total_s, 1),
         "edges": len(edges),
@@ -522,7 +530,8 @@ def _report(
     }
     if result is not None:
         result.update(figures)
-        result["model_state"] = {k: v.detach().clone() for k, v in gateway.model.state_dict().items()}
+        state = {k: v.detach().clone() for k, v in gateway.model.state_dict().items()}
+        result["model_state"] = {**state, **gateway.averaged()}  # the model the gateway reports
     if gateway.diverged is not None:
         return EXIT_DIVERGED, figures
     return 0 if audit_ok and all(c == 0 for c in codes) else 1, figures

@@ -47,6 +47,7 @@ log = logging.getLogger("elasticfed.gateway")
 
 KIND = "elasticfed-gateway"
 MODEL_PREFIX = "model/"
+EMA_PREFIX = "ema/"  # the average of the published versions the gateway reports (cloud/ema.py)
 
 
 @dataclass
@@ -132,6 +133,10 @@ def export_state(gateway: Gateway, lineage_max: int = 1024) -> tuple[dict[str, t
     tensors = {MODEL_PREFIX + n: p.detach().to("cpu") for n, p in zip(gateway.names, gateway.params)}
     optim_tensors, optim_meta = optimizer_state_tensors(gateway.optimizer)
     tensors.update(optim_tensors)
+    ema_count = None
+    if gateway.ema is not None and gateway.ema.tensors:
+        ema_count = gateway.ema.count
+        tensors.update({EMA_PREFIX + n: t for n, t in gateway.averaged().items()})
     clients = {
         cid: {
             "floor": state.floor,
@@ -159,6 +164,7 @@ def export_state(gateway: Gateway, lineage_max: int = 1024) -> tuple[dict[str, t
         "clients": clients,
         "lineage": lineage,
         "applied_steps": applied,
+        "ema_count": ema_count,  # None: no average saved (tensors under EMA_PREFIX otherwise)
     }
     return tensors, meta
 
@@ -175,6 +181,7 @@ def import_state(
         saved = tensors.get(MODEL_PREFIX + name)
         if saved is None or saved.shape != param.shape or saved.dtype != param.dtype:
             raise CheckpointError(f"{path}: model tensor {name} is missing or has another shape or dtype")
+    ema = _saved_average(gateway, tensors, meta, path)
     clients = {}
     for cid, entry in meta["clients"].items():
         state = ClientState(str(cid), route=b"")
@@ -205,4 +212,26 @@ def import_state(
     with torch.no_grad():
         for name, param in zip(gateway.names, gateway.params):
             param.copy_(tensors[MODEL_PREFIX + name])
+    if gateway.ema is not None:
+        saved_tensors, count = ema if ema is not None else ({}, 0)
+        gateway.ema.load(saved_tensors, count)
     gateway.resume(int(meta["version"]), int(meta["round"]), clients, int(meta["epoch"]), lineage, applied)
+
+
+def _saved_average(
+    gateway: Gateway, tensors: dict[str, torch.Tensor], meta: dict[str, Any], path: Path
+) -> tuple[dict[str, torch.Tensor], int] | None:
+    """The saved average and its count, checked against the model; None if none was saved (a
+    checkpoint from before averaging, or a gateway without it: the average starts afresh)."""
+    count = meta.get("ema_count")
+    if count is None or gateway.ema is None:
+        return None
+    if type(count) is not int or count < 1:
+        raise CheckpointError(f"{path}: ema_count must be a whole number >= 1, got {count!r}")
+    saved = {}
+    for name, param in zip(gateway.names, gateway.params):
+        t = tensors.get(EMA_PREFIX + name)
+        if t is None or t.shape != param.shape or t.dtype != param.dtype:
+            raise CheckpointError(f"{path}: averaged tensor {name} is missing or has another shape or dtype")
+        saved[name] = t
+    return saved, count

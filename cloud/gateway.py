@@ -55,6 +55,7 @@ from cloud.aggregation import (
 )
 from cloud.delivery import DeliveryPace
 from cloud.durability import GatewayCheckpoints
+from cloud.ema import ModelEma
 from cloud.publication import PublicModel
 from cloud.watch import LossWatch
 from common.hooks import trainable_parameters
@@ -405,9 +406,12 @@ class Gateway:
         checkpoints: GatewayCheckpoints | None = None,
         update: ModelUpdate | None = None,
         watch: LossWatch | None = None,
+        ema: ModelEma | None = None,
     ) -> None:
         self.model = model
         self.watch = watch  # None: no loss probe (non-finite models are still refused)
+        self.ema = ema  # None: the gateway reports its live model (cloud/ema.py)
+        self._ema_lock = threading.Lock()  # the demo reads the average while this thread folds
         self.optimizer = optimizer  # None when `update` steps someone else's optimizer (hybrid)
         self.diverged: str | None = None  # why the gateway stopped applying (GatewayDiverged)
         self.options = options or GatewayOptions()
@@ -1075,6 +1079,18 @@ class Gateway:
         """
         self._published = self._serve(version)
         self.metrics.version.set(value=version)
+        if self.ema is not None:
+            with self._ema_lock:
+                self.ema.update(self._published[1])
+
+    def averaged(self) -> dict[str, torch.Tensor]:
+        """The model the gateway reports and saves as its result: the average of its published
+        versions (cloud/ema.py), or without one the version served now; a copy."""
+        if self.ema is not None:
+            with self._ema_lock:
+                if self.ema.tensors:
+                    return {n: t.clone() for n, t in self.ema.tensors.items()}
+        return {n: t.clone() for n, t in self.snapshot().items()}
 
     def _serve(self, version: int) -> tuple[int, dict[str, torch.Tensor]]:
         """Snapshot the parameters as `version`'s blob; (version, per-layer views of it)."""

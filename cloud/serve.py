@@ -44,6 +44,7 @@ from cloud.aggregation import (
 from cloud.collectives import CollectiveError
 from cloud.config import CloudConfig
 from cloud.durability import GatewayCheckpoints
+from cloud.ema import ModelEma
 from cloud.gateway import Gateway, GatewayDiverged, GatewayOptions, ModelUpdate, RoundSummary
 from cloud.hybrid import EdgeMixing, EdgeRounds
 from cloud.layerwise import DivergenceError
@@ -83,6 +84,14 @@ def load_admission(config: CloudConfig) -> CurveAdmission | None:
             "edges without encryption and authentication"
         )
     return CurveAdmission.from_folder(sec.keys_dir)
+
+
+def evaluate_averaged(task: Task, gateway: Gateway, test_set: Any) -> float:
+    """The task's figure for the model the gateway reports (its average, cloud/ema.py)."""
+    model = task.build_model()
+    model.load_state_dict(gateway.model.state_dict())  # buffers, and parameters the average lacks
+    model.load_state_dict(gateway.averaged(), strict=False)
+    return task.evaluate(model, test_set)
 
 
 def build_gateway(
@@ -151,6 +160,7 @@ def build_gateway(
         checkpoints=checkpoints,
         # Standalone only: in hybrid mode the model and its loss are the cloud trainer's.
         watch=LossWatch.for_task(task, g.max_loss_ratio) if g.max_loss_ratio and update is None else None,
+        ema=ModelEma(g.ema_window) if g.ema_window and update is None else None,
         rounds=DeadlineQuorum(deadline_s=g.round_deadline_s, quorum=g.quorum),
         on_round=on_round,
         lr_factor=CosineDecay(g.lr_decay_rounds) if g.lr_decay_rounds and update is None else None,
@@ -323,13 +333,16 @@ def run(args: argparse.Namespace, config: CloudConfig) -> int:
     finally:
         if metrics is not None:
             metrics.close()
-    score = task.evaluate(gateway.model, task.test_set())
+    test_set = task.test_set()
+    live = task.evaluate(gateway.model, test_set)
+    score = evaluate_averaged(task, gateway, test_set)
     print(
         json.dumps(
             {
                 "event": "summary",
                 "mode": "standalone",
-                **task.figures(score),
+                **task.figures(score),  # the model the gateway reports (cloud/ema.py)
+                "live": task.figures(live),  # the one edges train from
                 "seconds": round(time.monotonic() - started, 3),
                 **gateway_summary(gateway, admission),
             }
