@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -489,7 +490,7 @@ def _report(
     if gateway.ema is not None:
         live_figure = task.format_metric(live)
         averaged = f"; the average of the last {gateway.ema.window} versions, the live model {live_figure}"
-    print(f"  {name:<18} {task.format_metric(score)} ({task.direction}{averaged})", file=out)
+    print(f"  {name:<18} {task.format_metric(score)} ({task.direction}){averaged}", file=out)
     print(f"  rounds             {gateway.version}", file=out)
     print(f"  time               {total_s:.1f} s ({trained_s:.1f} s training)", file=out)
     print(
@@ -510,7 +511,7 @@ def _report(
         _show_sample(out, task.sample(gateway.model))
     figures = {
         **task.figures(round(score, 4)),
-        "live": task.figures(round(live, 4)),
+        "live": task.figures(round(live, 4)) if math.isfinite(live) else None,  # a diverged one may be NaN
         "rounds": gateway.version,
         "seconds": round(total_s, 1),
         "edges": len(edges),

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from cloud.ema import accumulator_dtype
 from common.checkpoint import (
     CheckpointError,
     CheckpointStore,
@@ -231,7 +232,7 @@ def _saved_average(
     saved = {}
     for name, param in zip(gateway.names, gateway.params):
         t = tensors.get(EMA_PREFIX + name)
-        if t is None or t.shape != param.shape or t.dtype != param.dtype:
+        if t is None or t.shape != param.shape or t.dtype != accumulator_dtype(param.dtype):
             raise CheckpointError(f"{path}: averaged tensor {name} is missing or has another shape or dtype")
         saved[name] = t
     return saved, count

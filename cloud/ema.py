@@ -21,6 +21,12 @@ from collections.abc import Mapping
 import torch
 
 
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 at least: at a weight of 1/50, a bf16 or fp16 average would lose the steps below
+    its precision and stall."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 class ModelEma:
     """An exponential moving average of named float tensors, one update per published version."""
 
@@ -38,16 +44,21 @@ class ModelEma:
     def update(self, params: Mapping[str, torch.Tensor]) -> None:
         with torch.no_grad():
             if not self.tensors:
-                self.tensors = {n: p.detach().to("cpu", copy=True) for n, p in params.items()}
+                self.tensors = {
+                    n: p.detach().to("cpu", accumulator_dtype(p.dtype), copy=True) for n, p in params.items()
+                }
             else:
                 weight = 1.0 - self.decay()
                 for n, p in params.items():
-                    self.tensors[n].lerp_(p.detach().to("cpu"), weight)
+                    avg = self.tensors[n]
+                    avg.lerp_(p.detach().to("cpu", avg.dtype), weight)
         self.count += 1
 
     def load(self, tensors: Mapping[str, torch.Tensor], count: int) -> None:
         """State read back from a checkpoint (cloud/durability.py)."""
         if count < 0:
             raise ValueError(f"the averaged versions' count must be >= 0, got {count}")
-        self.tensors = {n: t.detach().to("cpu", copy=True) for n, t in tensors.items()}
+        self.tensors = {
+            n: t.detach().to("cpu", accumulator_dtype(t.dtype), copy=True) for n, t in tensors.items()
+        }
         self.count = count

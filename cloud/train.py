@@ -410,5 +410,9 @@ def run(args: argparse.Namespace, config: CloudConfig) -> int:
                 }
             )
         )
+    # Every rank's collectives are done before any tears its group down: a gloo peer closing its
+    # pairs while another rank's work is still in flight can abort that rank at exit (seen once
+    # in CI: SIGABRT after "done").
+    dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -89,7 +89,8 @@ class ElasticEdge(nn.Module):
         self.horizon = Horizon(drift_horizon) if drift_horizon else None
         # SCAFFOLD (edge/drift.py): g - c_i + c, c read off the adopted models' step mass.
         self.variates = ControlVariates([p for _, p in named]) if scaffold else None
-        self._scaffold_warned = False
+        self._massless_warned = False  # SCAFFOLD's two warnings, each once
+        self._rateless_warned = False
         self.since_adopted = 0  # steps taken from the model loaded last (the bound's clock)
         self.version = model_version  # the global model version this edge trains from
         self.steps = 0  # backwards that reached the sink
@@ -153,8 +154,8 @@ class ElasticEdge(nn.Module):
 
     def _adopt_variates(self, version: int, mass: float) -> None:
         assert self.variates is not None
-        if version and not mass and not self._scaffold_warned:
-            self._scaffold_warned = True
+        if version and not mass and not self._massless_warned:
+            self._massless_warned = True
             log.warning(
                 "model %d says no step mass (the gateway's optimizer adds momentum or adapts its "
                 "steps, or hybrid mode): SCAFFOLD's fleet direction is not known, steps go uncorrected",
@@ -168,8 +169,8 @@ class ElasticEdge(nn.Module):
         assert self.variates is not None
         rate = self.cache.lr
         if rate is None:
-            if self.steps and not self._scaffold_warned:
-                self._scaffold_warned = True
+            if self.steps and not self._rateless_warned:
+                self._rateless_warned = True
                 log.warning("SCAFFOLD needs the edge's learning rate (follow() or lr=): steps go uncorrected")
             return
         self.variates.correct(list(self._by_name.values()), rate)
@@ -218,8 +219,9 @@ class ElasticEdge(nn.Module):
             self._diverged = True
             return
         self.cache.add(unit, grads, self.version)
-        if self.variates is not None:
-            self.variates.observe(params, grads)  # what is pushed: the uncorrected directions
+        if self.variates is not None:  # what is pushed: the uncorrected directions, at the horizon's scale
+            scale = self.horizon.factor(self.since_adopted + 1) if self.horizon is not None else 1.0
+            self.variates.observe(params, grads, scale)
         if (self.steps + 1) % self.sync_every == 0:
             self.session.request_sync([unit])
 

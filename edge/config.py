@@ -54,7 +54,7 @@ class EdgeTrain:
         "edge's mean direction out and the fleet's in (c read off the adopted models' changes over "
         "the step mass their gateway applied), so an edge on skewed data walks along the fleet's "
         "direction; pushes stay the optimizer's steps; needs the gateway's plain SGD (its default); "
-        "costs three copies of the model",
+        "costs four copies of the model",
     )
     drift_horizon: int = setting(
         DRIFT_HORIZON,

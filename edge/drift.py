@@ -35,10 +35,11 @@ in 41 rounds).  So the correction is a move of its own, -rate x (c - c_i) per st
 to the parameters before the next forward pass and not pushed: the pushes (and every audit of
 them) are the optimizer's steps, as without SCAFFOLD.  A version that says no mass (a gateway
 with momentum or an adaptive optimizer, hybrid mode) or a mass that went backwards (a
-restarted gateway) teaches nothing, and the edge steps uncorrected until it knows c.  Not
-saved: after a restart c_i warms up again and c waits for two adopted models.  Cost: three
-copies of the trainable parameters (the last adopted model, c and c_i) and two passes over
-them per step.
+restarted gateway) makes the edge forget c and step uncorrected until it has read c anew.
+Under the drift horizon a step's correction shrinks with the step (c_i learns the full-size
+direction).  Not saved: after a restart c_i warms up again and c waits for two adopted
+models.  Cost: four copies of the trainable parameters on the model's device (the last
+adopted model, the moved sum, c and c_i) and two passes over them per step.
 
 `Horizon` bounds the walk of an edge that can neither deliver nor fetch for a long
 time (an outage, a gateway that publishes nothing): its steps keep full size for
@@ -97,25 +98,30 @@ class ControlVariates:
         self._mass: dict[int, float] = {}  # param id -> decayed sum of the step mass, same stretches
         self._anchor = {id(p): p.detach().clone() for p in params}  # the model adopted last
         self._anchor_mass = 0.0
-        self._pending: dict[int, int] = {}  # param id -> steps observed and not yet corrected
+        self._pending: dict[int, float] = {}  # param id -> steps observed, not yet corrected (scaled)
         self._stretch: dict[int, int] = {}  # param id -> steps observed since the model adopted last
         self.known = False  # c was read off at least one stretch: corrections apply
         self.stretches = 0
 
-    def observe(self, params: Sequence[torch.Tensor], directions: Sequence[torch.Tensor | None]) -> None:
-        """The directions one step pushes for `params` (in the cache's units): into c_i."""
+    def observe(
+        self, params: Sequence[torch.Tensor], directions: Sequence[torch.Tensor | None], scale: float = 1.0
+    ) -> None:
+        """The directions one step pushes for `params` (in the cache's units), taken at `scale` of
+        full size (`Horizon`): c_i learns the full-size direction, and the step's correction is
+        `scale` of a full one, so a cut-off edge's walk stays within the horizon's bound."""
         with torch.no_grad():
             for p, d in zip(params, directions):
                 if d is None:
                     continue
                 key = id(p)
-                self._own[key].mul_(self.decay).add_(d.view_as(p))
+                self._own[key].mul_(self.decay).add_(d.view_as(p), alpha=1.0 / scale)
                 self._own_weight[key] = self._own_weight.get(key, 0.0) * self.decay + 1.0
-                self._pending[key] = self._pending.get(key, 0) + 1
+                self._pending[key] = self._pending.get(key, 0.0) + scale
                 self._stretch[key] = self._stretch.get(key, 0) + 1
 
     def correct(self, params: Sequence[torch.Tensor], rate: float) -> None:
-        """Move each parameter by -rate x (c - c_i) for every step observed since the last call."""
+        """Move each parameter by -rate x (c - c_i) for every step observed since the last call (at
+        that step's scale)."""
         pending, self._pending = self._pending, {}
         if not self.known:
             return
@@ -144,6 +150,14 @@ class ControlVariates:
                     torch.div(moved, self._mass[key], out=self._fleet[key])
                 self.known = True
                 self.stretches += 1
+            elif self._anchor_mass > 0 and (mass <= 0 or gained < 0):
+                # No mass (the gateway now adds momentum, or hybrid) or less of it (a new gateway
+                # instance counts from 0): c no longer describes this fleet's moves; read it anew.
+                self.known = False
+                self._mass.clear()
+                for p in params:
+                    self._moved[id(p)].zero_()
+                    self._fleet[id(p)].zero_()
             for p in params:
                 self._anchor[id(p)].copy_(p)
         self._anchor_mass = mass

@@ -68,6 +68,20 @@ def test_a_gateway_without_an_average_reports_its_live_model() -> None:
         gw.close()
 
 
+def restored(tmp_path: Path) -> Gateway:
+    """A fresh gateway with an average, restored from tmp_path/ckpt."""
+    model = make_model()
+    gw = Gateway(
+        model,
+        server_optimizer("sgd", model.parameters(), 1.0),
+        GatewayOptions(bind="tcp://127.0.0.1:0"),
+        checkpoints=GatewayCheckpoints(str(tmp_path / "ckpt"), every_rounds=1, keep=3),
+        ema=ModelEma(window=5),
+    )
+    assert gw.checkpoints is not None and gw.checkpoints.restore(gw) is not None
+    return gw
+
+
 def test_the_average_is_saved_and_restored_with_the_gateway(tmp_path: Path) -> None:
     first = two_edge_gateway(
         lambda ps: server_optimizer("sgd", ps, 1.0),
@@ -80,21 +94,13 @@ def test_the_average_is_saved_and_restored_with_the_gateway(tmp_path: Path) -> N
         saved, count = first.averaged(), first.ema.count  # type: ignore[union-attr]
     finally:
         first.close()
-    model = make_model()
-    again = Gateway(
-        model,
-        server_optimizer("sgd", model.parameters(), 1.0),
-        GatewayOptions(bind="tcp://127.0.0.1:0"),
-        checkpoints=GatewayCheckpoints(str(tmp_path / "ckpt"), every_rounds=1, keep=3),
-        ema=ModelEma(window=5),
-    )
+    again = restored(tmp_path)
     try:
-        assert again.checkpoints is not None and again.checkpoints.restore(again) is not None
-        assert again.checkpoints.skipped == [] and again.version == 4
+        assert again.checkpoints is not None and again.checkpoints.skipped == [] and again.version == 4
         assert again.ema is not None and again.ema.count == count
         for n in again.names:
             torch.testing.assert_close(again.averaged()[n], saved[n], rtol=0, atol=0)
-        newest = again.checkpoints.store.entries()[0]
+        newest = again.checkpoints.store.entries()[0]  # type: ignore[union-attr]
     finally:
         again.close()
     # A checkpoint whose average does not fit the model is skipped with a message naming it.
@@ -124,3 +130,35 @@ def test_the_average_is_a_gateway_setting_on_by_default() -> None:
     assert cfg.load(CloudConfig, None, {"gateway.ema_window": "0"}).gateway.ema_window == 0
     with pytest.raises(cfg.ConfigError, match="--gateway-ema-window: must be >= 0"):
         cfg.load(CloudConfig, None, {"gateway.ema_window": "-1"})
+
+
+def test_a_low_precision_model_is_averaged_in_float32() -> None:
+    # At a weight of 1/1000 per version a bf16 average stalls once the steps fall below its
+    # precision (8 bits: around 0.3 here); in float32 it reaches the model's value.
+    ema = ModelEma(window=1000)
+    ema.update({"w": torch.zeros(3, dtype=torch.bfloat16)})
+    for _ in range(3000):
+        ema.update({"w": torch.ones(3, dtype=torch.bfloat16)})
+    assert ema.tensors["w"].dtype == torch.float32
+    assert float(ema.tensors["w"].min()) > 0.9
+
+
+def test_a_checkpoint_without_an_average_starts_one_from_the_restored_model(tmp_path: Path) -> None:
+    first = two_edge_gateway(
+        lambda ps: server_optimizer("sgd", ps, 1.0),
+        1.0,
+        checkpoints=GatewayCheckpoints(str(tmp_path / "ckpt"), every_rounds=1, keep=3),
+    )
+    try:
+        list(rounds_of(first, 2))
+        live = {n: p.detach().clone() for n, p in zip(first.names, first.params)}
+    finally:
+        first.close()
+    again = restored(tmp_path)
+    try:
+        assert again.checkpoints is not None and again.checkpoints.skipped == []
+        assert again.ema is not None and again.ema.count == 0
+        for n in again.names:
+            torch.testing.assert_close(again.averaged()[n], live[n], rtol=0, atol=0)
+    finally:
+        again.close()
