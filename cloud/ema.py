@@ -8,10 +8,12 @@ libraries ship it (an EMA of the weights, e.g. timm's ModelEma): edges keep trai
 live model, which is all they are ever served; what the gateway evaluates, reports and saves as
 its result is the average.
 
-The window grows with the versions seen, decay (1 + n) / (10 + n) capped at 1 - 1/window, so the
-average spans about the last tenth of training early on (an early model does not linger) and the
-last `window` versions later.  Cost: one copy of the trainable parameters and one pass over them
-per version.
+The average starts once `window` versions were published (before, it is the newest version: in
+a run of few versions each carries much progress, and averaging them lags: `cloud serve` through
+three gateway kills publishes 4 versions and its average was a point below the live model);
+then its window grows, decay (1 + n) / (10 + n) over the n versions averaged, capped at
+1 - 1/window, so an early model does not linger.  Cost: one copy of the trainable parameters
+and one pass over them per version.
 """
 
 from __future__ import annotations
@@ -38,8 +40,13 @@ class ModelEma:
         self.tensors: dict[str, torch.Tensor] = {}
 
     def decay(self) -> float:
-        """The weight the average keeps when the next version is folded in."""
-        return min(1.0 - 1.0 / self.window, (1 + self.count) / (10 + self.count))
+        """The weight the average keeps when the next version is folded in: none until `window`
+        versions were seen (a run of few versions, each carrying much progress, reports its
+        newest), then a window growing from a tenth of the versions averaged to `window`."""
+        if self.count < self.window:
+            return 0.0
+        averaged = self.count - self.window
+        return min(1.0 - 1.0 / self.window, (1 + averaged) / (10 + averaged))
 
     def update(self, params: Mapping[str, torch.Tensor]) -> None:
         with torch.no_grad():

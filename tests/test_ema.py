@@ -21,15 +21,16 @@ from tests.test_server_optimizers import rounds_of, two_edge_gateway
 
 def test_the_average_by_hand() -> None:
     ema = ModelEma(window=4)
-    ema.update({"w": torch.tensor([0.0])})  # the first version: copied
-    torch.testing.assert_close(ema.tensors["w"], torch.tensor([0.0]))
-    ema.update({"w": torch.tensor([11.0])})  # decay (1 + 1) / (10 + 1): 9/11 of the new one
-    torch.testing.assert_close(ema.tensors["w"], torch.tensor([9.0]))
-    ema.update({"w": torch.tensor([21.0])})  # decay 3/12
-    torch.testing.assert_close(ema.tensors["w"], torch.tensor([0.25 * 9.0 + 0.75 * 21.0]))
+    for v in (1.0, 2.0, 3.0, 0.0):  # until `window` versions were seen: the newest
+        ema.update({"w": torch.tensor([v])})
+        torch.testing.assert_close(ema.tensors["w"], torch.tensor([v]))
+    ema.update({"w": torch.tensor([11.0])})  # then decay (1 + 0) / (10 + 0): 9/10 of the new one
+    torch.testing.assert_close(ema.tensors["w"], torch.tensor([9.9]))
+    ema.update({"w": torch.tensor([21.0])})  # decay 2/11
+    torch.testing.assert_close(ema.tensors["w"], torch.tensor([(2 * 9.9 + 9 * 21.0) / 11]))
     for _ in range(40):
         ema.update({"w": torch.tensor([1.0])})
-    assert ema.count == 43 and ema.decay() == pytest.approx(0.75)  # capped at 1 - 1/window
+    assert ema.count == 46 and ema.decay() == pytest.approx(0.75)  # capped at 1 - 1/window
     before = float(ema.tensors["w"])
     ema.update({"w": torch.tensor([5.0])})
     assert float(ema.tensors["w"]) == pytest.approx(0.75 * before + 0.25 * 5.0)
@@ -43,7 +44,7 @@ def test_a_gateway_reports_the_average_and_serves_edges_the_live_model() -> None
     try:
         by_hand = ModelEma(window=3)
         lives = []
-        for _ in rounds_of(gw, 6):
+        for _ in rounds_of(gw, 8):
             live = {n: p.detach().clone() for n, p in zip(gw.names, gw.params)}
             by_hand.update(live)
             lives.append(live)
@@ -136,8 +137,9 @@ def test_a_low_precision_model_is_averaged_in_float32() -> None:
     # At a weight of 1/1000 per version a bf16 average stalls once the steps fall below its
     # precision (8 bits: around 0.3 here); in float32 it reaches the model's value.
     ema = ModelEma(window=1000)
-    ema.update({"w": torch.zeros(3, dtype=torch.bfloat16)})
-    for _ in range(3000):
+    for _ in range(1000):  # the window's first versions: the average is the newest, 0
+        ema.update({"w": torch.zeros(3, dtype=torch.bfloat16)})
+    for _ in range(4000):
         ema.update({"w": torch.ones(3, dtype=torch.bfloat16)})
     assert ema.tensors["w"].dtype == torch.float32
     assert float(ema.tensors["w"].min()) > 0.9
