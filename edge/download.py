@@ -184,6 +184,8 @@ class ModelDownload:
     def on_chunk(self, msg: ModelChunk, now: float) -> tuple[Model | None, float | None]:
         """Keep a chunk; (the finished model or None, when the chunk was asked for or None)."""
         whole = self.manifest.blob_bytes
+        if msg.base and msg.version <= self.public_version:
+            return None, None  # a late or duplicated answer about a patch already applied
         if (msg.base == 0 and msg.size != whole) or (
             msg.base
             and (msg.base != self.public_version or not 0 < msg.size <= self.limits.max_message_bytes)
