@@ -210,7 +210,9 @@ def client_main(args: argparse.Namespace) -> int:
     task = load_task(args.task)
     data = shard(task.train_set(), args.index, args.clients, "iid", seed=args.seed)
     batches = _batches(task, data, args.seed)
-    model = task.build_model()
+    # The same device an elasticfed edge's `--train-device auto` picks: the GPU where there is one.
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = task.build_model().to(device)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 5000)
@@ -240,6 +242,7 @@ def client_main(args: argparse.Namespace) -> int:
             if stopping.is_set():  # the budget is over: this round's model would never be averaged
                 break
             x, y = next(batches)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             loss = task.loss(model(x), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -248,7 +251,8 @@ def client_main(args: argparse.Namespace) -> int:
         train_s += time.monotonic() - t
         if stopping.is_set():
             break
-        out = encode("update", model.state_dict(), round=header["round"], samples=len(data))
+        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        out = encode("update", state, round=header["round"], samples=len(data))
         sent += frames_bytes(out)
         sock.send_multipart(out, copy=False)
         rounds += 1

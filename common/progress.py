@@ -42,6 +42,8 @@ class ProgressBar:
         if not force and now - self._drawn_at < self.every_s:
             return
         self._drawn_at = now
+        # A tensor (a GPU loss) is read only when drawn: reading it every step would wait for the GPU.
+        fields = {k: v.item() if hasattr(v, "item") else v for k, v in fields.items()}
         if self.total:
             filled = min(self.width, self.width * done // self.total)
             bar = f"[{'#' * filled}{' ' * (self.width - filled)}] {done}/{self.total}"

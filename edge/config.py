@@ -26,6 +26,14 @@ from common.shared_settings import (
 DRIFT_HORIZON = 200
 
 
+def device_spec(value: str) -> str | None:
+    """`--train-device`: a name torch reads, checked when a config loads (CUDA's presence at start)."""
+    v = value.strip().lower()
+    if v in ("auto", "cpu", "cuda") or (v.startswith("cuda:") and v[5:].isdigit()):
+        return None
+    return f"{value!r} is not a device: auto, cpu, cuda or cuda:<index>"
+
+
 @dataclass(frozen=True)
 class EdgeSecurity:
     insecure: bool = insecure_setting("run without CURVE encryption and authentication (loud warning)")
@@ -64,6 +72,12 @@ class EdgeTrain:
         min=0,
     )
     seed: int = setting(0, "seed for model initialisation and shuffling", min=0)
+    device: str = setting(
+        "auto",
+        "where the model trains: auto (the GPU when torch sees one, as on a Jetson; else the CPU), "
+        "cpu, cuda or cuda:<index>; gradients reach the cache without waiting for the copy to host",
+        check=device_spec,
+    )
     shard: str = setting(
         "", "train on part i of n of the task's data, as 'i/n' (empty: all)", check=shard_spec
     )

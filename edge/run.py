@@ -46,6 +46,20 @@ log = logging.getLogger("elasticfed.edge")
 EXIT_REFUSED = 4
 
 
+def training_device(spec: str) -> torch.device:
+    """The device `--train-device` names; a GPU asked for and not there is an error, not the CPU."""
+    spec = spec.strip().lower()
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(spec)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{spec}: torch sees no CUDA device here (a CPU-only build, or no driver)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"{spec}: torch sees {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
 def load_curve(config: EdgeConfig) -> tuple[KeyPair, bytes] | None:
     """This device's key pair and the gateway's public key, or None with --insecure.
 
@@ -168,8 +182,13 @@ def run(args: argparse.Namespace, config: EdgeConfig) -> int:
     except (ValueError, NoThermalZones) as exc:
         print(f"elasticfed edge: error: --thermal-*: {exc}", file=sys.stderr)
         return 2
+    try:
+        device = training_device(config.train.device)
+    except ValueError as exc:
+        print(f"elasticfed edge: error: --train-device: {exc}", file=sys.stderr)
+        return 2
     torch.manual_seed(config.train.seed)
-    model = task.build_model()
+    model = task.build_model().to(device)
     try:
         data = task.train_set()
         if config.train.shard:
@@ -216,7 +235,7 @@ def run(args: argparse.Namespace, config: EdgeConfig) -> int:
             print(f"elasticfed edge: error: --metrics-bind {config.metrics_bind}: {exc}", file=sys.stderr)
             return 2
     try:
-        return _train(config, client_id, task, loader, agent, guard, metrics, stop)
+        return _train(config, client_id, task, loader, agent, guard, metrics, stop, device)
     finally:
         if metrics is not None:
             metrics.close()
@@ -231,12 +250,14 @@ def _train(
     guard: ThermalGuard | None,
     metrics: MetricsServer | None,
     stop: threading.Event,
+    device: torch.device,
 ) -> int:
     state = agent.session.state
     begin = agent.status()
     _emit(
         "start",
         client=client_id,
+        device=str(device),
         resumed_from=str(state.loaded) if state is not None and state.loaded else None,
         skipped_states=[f"{p}: {why}" for p, why in state.skipped] if state is not None else [],
         produced_steps=begin["produced_steps"],
@@ -266,11 +287,13 @@ def _train(
                     log.info("thermal: training paused %.1f s while the device was hot", paused)
                     if stop.is_set():
                         break
+                if device.type != "cpu":
+                    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 loss = task.loss(agent(x), y)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
-                bar.update(agent.steps, loss=float(loss.detach()), version=agent.version)
+                bar.update(agent.steps, loss=loss.detach(), version=agent.version)
                 now = time.monotonic()
                 if (
                     stop.is_set()

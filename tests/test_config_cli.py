@@ -221,3 +221,24 @@ def test_the_buffered_rule_is_the_default_and_the_old_names_still_load_with_a_wa
     assert old_flag.returncode == 0 and 'weighting = "mean-step"' in old_flag.stdout
     assert "FutureWarning" in old_flag.stderr
     assert "'success' is the old name of 'mean-step'" in old_flag.stderr
+
+
+def test_edge_device_specs(capsys: pytest.CaptureFixture[str]) -> None:
+    from edge.config import device_spec
+
+    for good in ("auto", "cpu", "cuda", "cuda:1", "CUDA"):
+        assert device_spec(good) is None, good
+    for bad in ("gpu", "cuda:x", "cuda:", "mps", ""):
+        assert device_spec(bad) is not None, bad
+    assert main(["edge", "--train-device", "gpu", "--insecure"]) == 2
+    assert "--train-device" in capsys.readouterr().err
+
+
+def test_edge_refuses_a_gpu_it_does_not_have(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has the GPU the test asks for")
+    # Asked for in so many words, a GPU that is not there is an error, not a silent CPU run.
+    assert main(["edge", "--train-device", "cuda", "--insecure", "--state-dir", ""]) == 2
+    assert "--train-device: cuda: torch sees no CUDA device" in capsys.readouterr().err
