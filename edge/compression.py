@@ -36,6 +36,11 @@ from protocol.payload import SPARSE_BLOCK, Dense, Payload, Quantized, Sparse
 INT8_CHUNK = 256  # elements per int8 scale: 1.6% of the codes' bytes for fp32 scales
 AUTO_MIN_PUSH_S = 0.2  # `auto` never compresses harder than a push every this long needs
 AUTO_MIN_RATIO, AUTO_MAX_RATIO = 0.001, 0.25  # the top-k ratios `auto` chooses between
+# Probing (`AutoCompression`): every PROBE_EVERY_S a compressing edge sends PROBE_GAIN times its
+# budget for PROBE_S, then judges after PROBE_SETTLE_S whether the measured rate grew by
+# PROBE_GROWTH (then it probes again at once, doubling towards the link's rate).
+PROBE_EVERY_S, PROBE_S, PROBE_SETTLE_S = 10.0, 1.0, 1.0
+PROBE_GAIN, PROBE_GROWTH = 2.0, 1.25
 
 
 @dataclass(frozen=True)
@@ -132,6 +137,14 @@ class AutoCompression:
     values at the ratio that fits (3 bytes an entry).  Until the link is measured it
     sends int8.  Changing rungs between pushes loses nothing: the residual carries
     what one push left out into the next, whatever encodes it.
+
+    The measured rate is a lower bound from what was sent (edge/pacing.py), so an edge
+    that compresses to what it measured never learns that the link could carry more:
+    on a GPU lender four edges measured 2.2 Mbit/s while the gateway was busy with their
+    first downloads and sent top-k 0.003 on a free link for the rest of the run.  So,
+    as BBR probes for bandwidth, a compressing edge sends twice its budget for a second
+    every ten (about 10% more bytes on a link that is really that slow), and while each
+    probe raises the measurement by a quarter it probes again at once.
     """
 
     spec = "auto"
@@ -140,10 +153,19 @@ class AutoCompression:
 
     def __init__(self) -> None:
         self.current: UplinkCompression = UplinkCompression("int8", values="int8")
+        self.probes = 0
+        self._probe_until: float | None = None  # probing until then
+        self._judge_at: float | None = None  # then judged at this time
+        self._probe_base = 0.0  # the rate measured when the probe began
+        self._next_probe: float | None = None
 
-    def observe(self, uplink_bytes_per_s: float, step_s: float, dense_bytes: int) -> UplinkCompression:
-        """Re-pick the rung from the measured uplink, the time a step takes and the model's dense size."""
-        budget = uplink_bytes_per_s * max(step_s, AUTO_MIN_PUSH_S)
+    def observe(
+        self, uplink_bytes_per_s: float, step_s: float, dense_bytes: int, now: float | None = None
+    ) -> UplinkCompression:
+        """Re-pick the rung from the measured uplink, the time a step takes and the model's dense size
+        (probing for more now and then when given the time)."""
+        gain = 1.0 if now is None else self._probe(uplink_bytes_per_s, now)
+        budget = gain * uplink_bytes_per_s * max(step_s, AUTO_MIN_PUSH_S)
         share = budget / max(dense_bytes, 1)
         if share >= 1.0:
             self.current = UplinkCompression("none")
@@ -156,6 +178,30 @@ class AutoCompression:
             ratio = float(f"{ratio:.1g}")  # a few distinct rungs, not a new one per measurement
             self.current = UplinkCompression(f"topk:{ratio:g}+int8", ratio=ratio, values="int8")
         return self.current
+
+    @property
+    def probing(self) -> bool:
+        return self._probe_until is not None
+
+    def _probe(self, rate: float, now: float) -> float:
+        """The budget's gain now: PROBE_GAIN while a probe runs, else 1."""
+        if self._probe_until is not None:
+            if now < self._probe_until:
+                return PROBE_GAIN
+            self._probe_until, self._judge_at = None, now + PROBE_SETTLE_S  # its answers still come
+        if self._judge_at is not None:
+            if now < self._judge_at:
+                return 1.0
+            self._judge_at = None
+            grew = rate >= PROBE_GROWTH * self._probe_base
+            self._next_probe = now if grew else now + PROBE_EVERY_S
+        if self._next_probe is None:
+            self._next_probe = now + PROBE_EVERY_S
+        if now < self._next_probe or not self.current.lossy:
+            return 1.0
+        self._probe_until, self._probe_base = now + PROBE_S, rate
+        self.probes += 1
+        return PROBE_GAIN
 
     def kept(self, numel: int) -> int:
         return self.current.kept(numel)

@@ -53,6 +53,7 @@ class LinkMeter:
         self.rtt = 0.0
         self._rtt_seen = False
         self._last_answer = float("-inf")
+        self._runs_from = float("-inf")  # messages sent before this join no run (new_run)
         self._run: deque[tuple[float, float, int]] = deque()  # (sent, answered, bytes): a busy run
         self._samples = RecentMax()  # bytes/s
 
@@ -74,25 +75,35 @@ class LinkMeter:
         """
         busy = sent_at <= self._last_answer
         self._last_answer = now
-        if nbytes < RATE_SAMPLE_MIN_BYTES:
-            if not busy:
-                self.observe_rtt(now - sent_at)
-            return
+        if not busy and nbytes < RATE_SAMPLE_MIN_BYTES:
+            self.observe_rtt(now - sent_at)
+        if sent_at < self._runs_from:
+            return  # sent before a probe began: it would dilute the probe's run
         if not busy:
             self._run.clear()
         self._run.append((sent_at, now, nbytes))
         while len(self._run) > 2 and now - self._run[1][1] >= RUN_WINDOW_S:
             self._run.popleft()
+        total = sum(b for _, _, b in self._run)
+        if total < RATE_SAMPLE_MIN_BYTES:
+            # Too few bytes to time: the path's latency, not its rate.  Small messages still join
+            # a busy run: compressed pushes of a few KB each are the whole uplink of an edge.
+            return
         began = self._run[0][0] + (self.rtt if len(self._run) == 1 else 0.0)
         # At least a millisecond: an answer that came back within the round trip says the link
         # carried the message in no measurable time, a fast link, not an unmeasured one.
-        sample = sum(b for _, _, b in self._run) / max(now - began, 1e-3)
+        sample = total / max(now - began, 1e-3)
         # A lower bound (bytes sent after `began` crossed by now): the estimate is the largest
         # recent one (common.link.RecentMax).
         if len(self._run) == 1 and self.measured and sample <= self.rate:
             return  # a lone message on an idle link: the round trip blurs it; it says nothing new
         self._samples.add(sample, now)
         self.rate, self.measured = self._samples.value or sample, True
+
+    def new_run(self, now: float) -> None:
+        """Time what is sent from `now` on by itself (a probe: earlier messages would dilute it)."""
+        self._runs_from = now
+        self._run.clear()
 
     def connection_replaced(self) -> None:
         self._last_answer = float("-inf")

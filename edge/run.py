@@ -319,6 +319,7 @@ def _train(
                         cache_bytes=status["cache_bytes"],
                         models_adopted=status["models_adopted"],
                         nonfinite_steps=status["nonfinite_steps"],
+                        compression=_compression_now(agent),
                         uplink_mbit=status["uplink_mbit"],
                         downlink_mbit=status["downlink_mbit"],
                         **_totals(status),

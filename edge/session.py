@@ -691,7 +691,10 @@ class EdgeSession:
                 self._step_s = interval if self._step_s is None else 0.8 * self._step_s + 0.2 * interval
             self._steps_seen, self._steps_seen_at = produced, now
         if self.uplink.measured and self._step_s is not None:
-            chosen = observe(self.uplink.rate, self._step_s, self._dense_bytes)
+            was_probing = getattr(self.cache.compression, "probing", False)
+            chosen = observe(self.uplink.rate, self._step_s, self._dense_bytes, now)
+            if not was_probing and getattr(self.cache.compression, "probing", False):
+                self.uplink.new_run(now)  # the probe's pushes are timed by themselves
             if chosen.spec != self._compression_rung:
                 log.info(
                     "compression %s: uplink %.2f Mbit/s, a step every %.2f s",

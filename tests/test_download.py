@@ -21,6 +21,7 @@ from torch import nn
 
 from cloud.aggregation import DeadlineQuorum, MeanStep
 from cloud.gateway import Gateway, GatewayOptions
+from edge.compression import AutoCompression
 from edge.download import ModelDownload
 from edge.pacing import Backlog, LinkMeter, UploadCap
 from protocol import Manifest, ModelChunk, ModelFetch, Reason, blob, decode, encode
@@ -201,6 +202,57 @@ def test_the_meter_measures_a_busy_fifo_link_and_ignores_idle_gaps() -> None:
     small = LinkMeter(initial_bps=1e3)
     small.answered(100, sent_at=0.0, now=1.0)  # a small answer times the round trip, not the link
     assert not small.measured
+
+
+def test_small_pushes_in_a_busy_run_measure_the_link_and_a_probe_is_timed_alone() -> None:
+    # Compressed pushes of 4 KB, sent back to back over 2 Mbit/s: none is worth timing alone (the
+    # round trip), but together they are the edge's whole uplink and must measure it.
+    meter = LinkMeter(initial_bps=1e3)
+    rate, size = 2.5e5, 4096
+    for i in range(40):
+        meter.answered(size, sent_at=i * size / rate, now=0.02 + (i + 1) * size / rate)
+    assert meter.measured and meter.rate == pytest.approx(rate, rel=0.2)
+    # A probe starts a run of its own: what was sent before it (here slowly) is not mixed in.
+    probe = LinkMeter(initial_bps=1e3)
+    for i in range(20):  # one 4 KB push every 0.1 s, each answered 0.15 s later: 40 KB/s
+        probe.answered(size, sent_at=i * 0.1, now=i * 0.1 + 0.15)
+    assert probe.rate == pytest.approx(4.1e4, rel=0.15)
+    probe.new_run(now=2.0)
+    probe.answered(size, sent_at=1.95, now=2.05)  # sent before the probe: not timed
+    for i in range(20):  # then 8 KB every 0.02 s, answered as the link carries them: 400 KB/s
+        probe.answered(2 * size, sent_at=2.0 + i * 0.02, now=2.02 + i * 0.02)
+    assert probe.rate == pytest.approx(4.1e5, rel=0.15)
+
+
+def test_auto_compression_probes_for_a_faster_link_and_stops_when_it_finds_none() -> None:
+    auto = AutoCompression()
+    model, step = 26_000_000, 0.07  # the base text model on a Jetson-class step
+    first = auto.observe(2.7e5, step, model, now=0.0)  # 2.2 Mbit/s measured while the link was busy
+    assert first.spec == "topk:0.003+int8" and not auto.probing
+    assert auto.observe(2.7e5, step, model, now=9.9).spec == first.spec  # not yet
+    probe = auto.observe(2.7e5, step, model, now=10.0)
+    assert auto.probing and probe.ratio == pytest.approx(2 * first.ratio, rel=0.5)  # twice the budget
+    assert auto.observe(2.7e5, step, model, now=10.5).spec == probe.spec
+    assert auto.observe(5.4e5, step, model, now=11.0).spec == "topk:0.005+int8"  # settling: gain 1
+    # The probe's run measured twice the rate: probe again at once; the link is free, so it grows.
+    assert not auto.probing
+    auto.observe(5.4e5, step, model, now=12.0)
+    assert auto.probing and auto.probes == 2
+    rate, now = 5.4e5, 12.0
+    while auto.current.lossy and now < 60.0:
+        now += 0.5
+        rate = rate * 2 if auto.probing else rate  # the link carries whatever the edge sends
+        auto.observe(rate, step, model, now=now)
+    assert not auto.current.lossy, (now, auto.current.spec)  # dense on a free link within a minute
+    # A link that is really that slow: one probe, no growth, the next only PROBE_EVERY_S later.
+    slow = AutoCompression()
+    slow.observe(2.7e5, step, model, now=0.0)
+    slow.observe(2.7e5, step, model, now=10.0)
+    for t in (11.0, 12.5, 20.0):
+        slow.observe(2.7e5, step, model, now=t)
+    assert slow.probes == 1 and not slow.probing
+    slow.observe(2.7e5, step, model, now=22.5)
+    assert slow.probes == 2
 
 
 def test_answers_that_come_in_a_bunch_never_read_as_a_faster_link() -> None:

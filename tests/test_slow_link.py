@@ -177,3 +177,32 @@ def test_an_upload_cap_holds_what_the_device_sends(procs: list[Proc]) -> None:
     audit(gw, summaries[0])
     # The bucket's depth (0.1 s) and one push in debt allow a little over the average.
     assert 1.0 <= mbit <= 4 * 1.1 + 8 * MODEL_BYTES / 1e6 / 20, mbit
+
+
+def _share(spec: str) -> float:
+    """What part of a dense push an `auto` rung sends (bytes), from the status's `auto:<rung>`."""
+    rung = spec.split(":", 1)[1] if spec.startswith("auto:") else spec
+    if rung.startswith("topk:"):
+        return float(rung[5:].split("+")[0]) * 3 / 4  # int8 values and coded indices: 3 bytes an entry
+    return {"none": 1.0, "fp16": 0.5, "int8": 0.25}[rung]
+
+
+def test_auto_compression_finds_out_that_the_link_got_faster(netns_lab: Lab, procs: list[Proc]) -> None:
+    # The rate an edge measures is a lower bound from what it sends: compressed to what a slow
+    # link carried, it would never learn that the link is now fast (a site moved from a cellular
+    # uplink to fibre; on a GPU lender, a gateway busy with the first downloads) unless it probes.
+    gateway, endpoint = start_gateway(netns_lab, procs)
+    net = lab_edge(netns_lab)
+    net.set_rate("1mbit")
+    edge = start_edge(net, endpoint, "faster", "0/1", procs)
+    topk = is_status(lambda s: s["compression"].startswith("auto:topk") and s["t"] >= 20)
+    slow = edge.wait_for(topk, 120, "top-k at 1 Mbit/s")
+    net.set_rate(None)
+    before = _share(slow["compression"])
+    denser = is_status(lambda s: s["t"] > slow["t"] and _share(s["compression"]) >= 8 * before)
+    fast = edge.wait_for(denser, 90, f"a rung sending 8 times what {slow['compression']} did")
+    summaries, gw = stop([edge], gateway)
+    after = {"slow": slow["compression"], "fast": fast["compression"], "after_s": fast["t"] - slow["t"]}
+    print(json.dumps({**after, "uplink_mbit": [slow["uplink_mbit"], fast["uplink_mbit"]]}))
+    audit(gw, summaries[0])
+    assert summaries[0]["edge_reconnects_total"] == 0, summaries[0]["edge_reconnects_total"]
