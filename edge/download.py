@@ -89,9 +89,6 @@ class ModelDownload:
         self._have = bytearray(self.chunks)  # 1: chunk i is in the buffer
         self._missing = self.chunks
         self._asked: dict[int, float] = {}  # chunk -> when asked on the current connection
-        # chunk -> when first asked: its answer is timed from there (a late answer to the first ask,
-        # timed from a re-ask, read a link 7 times faster than it is)
-        self._first_asked: dict[int, float] = {}
         self._next = 0  # lowest chunk index that may still be missing and unasked
         self._began: float | None = None  # when this download's first request went out
         # Seconds from the first request to the model assembled, of the last download that
@@ -140,13 +137,11 @@ class ModelDownload:
         if self.active and self._missing < self.chunks:
             self.stats.resumed += 1
         self._asked.clear()
-        self._first_asked.clear()
         self._next = 0
 
     def unasked(self, offset: int) -> None:
         """The request for the chunk at `offset` never left (no connection yet): ask it again."""
         i = offset // self.chunk_bytes
-        self._first_asked.pop(i, None)
         if self._asked.pop(i, None) is not None:
             self._next = min(self._next, i)
 
@@ -173,7 +168,6 @@ class ModelDownload:
         while i < self.chunks and (outstanding == 0 or outstanding + self._chunk_len(i) <= budget_bytes):
             if not self._have[i] and i not in self._asked:
                 self._asked[i] = now
-                self._first_asked.setdefault(i, now)
                 outstanding += self._chunk_len(i)
                 out.append(self._request(i))
             i += 1
@@ -231,9 +225,6 @@ class ModelDownload:
             return None, None
         self.mass = msg.mass  # the version's, on every chunk of it (edge/drift.py reads it)
         asked_at = self._asked.pop(i, None)
-        first = self._first_asked.pop(i, None)
-        if asked_at is not None and first is not None:
-            asked_at = first
         if self._have[i]:
             self.stats.duplicates += 1
             return None, asked_at
@@ -334,5 +325,4 @@ class ModelDownload:
         self._missing = self.chunks
         if not keep_asked:
             self._asked.clear()
-            self._first_asked.clear()
         self._next = 0

@@ -55,7 +55,6 @@ class LinkMeter:
         self._last_answer = float("-inf")
         self._runs_from = float("-inf")  # messages sent before this join no run (new_run)
         self._run: deque[tuple[float, float, int]] = deque()  # (sent, answered, bytes): a busy run
-        self._run_bytes = 0  # their bytes
         self._samples = RecentMax()  # bytes/s
 
     def observe_rtt(self, seconds: float) -> None:
@@ -82,14 +81,10 @@ class LinkMeter:
             return  # sent before a probe began: it would dilute the probe's run
         if not busy:
             self._run.clear()
-            self._run_bytes = 0
-        elif self._run and sent_at < self._run[-1][0]:
-            return  # answered out of order (a late answer): its bytes may have crossed before the run
         self._run.append((sent_at, now, nbytes))
-        self._run_bytes += nbytes
         while len(self._run) > 2 and now - self._run[1][1] >= RUN_WINDOW_S:
-            self._run_bytes -= self._run.popleft()[2]
-        total = self._run_bytes
+            self._run.popleft()
+        total = sum(b for _, _, b in self._run)
         if total < RATE_SAMPLE_MIN_BYTES:
             # Too few bytes to time: the path's latency, not its rate.  Small messages still join
             # a busy run: compressed pushes of a few KB each are the whole uplink of an edge.
@@ -109,12 +104,10 @@ class LinkMeter:
         """Time what is sent from `now` on by itself (a probe: earlier messages would dilute it)."""
         self._runs_from = now
         self._run.clear()
-        self._run_bytes = 0
 
     def connection_replaced(self) -> None:
         self._last_answer = float("-inf")
         self._run.clear()  # the rate samples stay: the same path
-        self._run_bytes = 0
 
     def budget(self, size: int = 0) -> int:
         """Bytes that may be outstanding on the connection (at least one message of `size`)."""

@@ -693,18 +693,14 @@ class EdgeSession:
         if self.uplink.measured and self._step_s is not None:
             was_probing = getattr(self.cache.compression, "probing", False)
             chosen = observe(self.uplink.rate, self._step_s, self._dense_bytes, now)
-            probing = getattr(self.cache.compression, "probing", False)
-            if probing and not was_probing:
+            if not was_probing and getattr(self.cache.compression, "probing", False):
                 self.uplink.new_run(now)  # the probe's pushes are timed by themselves
             if chosen.spec != self._compression_rung:
-                # A probe's two changes every 10 s would flood an operator's log at info.
-                log.log(
-                    logging.DEBUG if probing or was_probing else logging.INFO,
-                    "compression %s: uplink %.2f Mbit/s, a step every %.2f s%s",
+                log.info(
+                    "compression %s: uplink %.2f Mbit/s, a step every %.2f s",
                     chosen.spec,
                     self.uplink.rate * 8 / 1e6,
                     self._step_s,
-                    " (probing)" if probing else "",
                 )
                 self._compression_rung = chosen.spec
 
