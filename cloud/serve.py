@@ -504,8 +504,12 @@ def run_hybrid(config: CloudConfig) -> int:
             return 2
         if metrics is not None:
             print(json.dumps({"event": "metrics", "metrics_url": metrics.url}), flush=True)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: mixing.stop_requested.set())
+    # The handlers hold the event, not `mixing`: a handler outlives this function until Python
+    # shuts down, and what it held (process groups among it) would be freed then (see common.cli).
+    stop_requested = mixing.stop_requested
+    previous = {
+        sig: signal.signal(sig, lambda *_: stop_requested.set()) for sig in (signal.SIGTERM, signal.SIGINT)
+    }
     try:
         result = train(task, config.sync, config.train, device, module=module, mixing=mixing, data=data)
     except (CollectiveError, DivergenceError) as exc:
@@ -523,6 +527,8 @@ def run_hybrid(config: CloudConfig) -> int:
     finally:
         if metrics is not None:
             metrics.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if mixing.gateway_failed:
         print("elasticfed cloud serve: error: the gateway thread failed (logged above)", file=sys.stderr)
         dist.destroy_process_group()

@@ -149,7 +149,7 @@ class Proc:
     def _tail(self) -> str:
         last = "\n".join(json.dumps(e) for e in self.events[-3:])
         return f" (exit code {self.proc.poll()})\n--- last events ---\n{last}\n--- stderr ---\n" + "".join(
-            self.stderr[-40:]
+            self.stderr[-150:]
         )
 
 
