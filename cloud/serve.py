@@ -70,6 +70,7 @@ log = logging.getLogger("elasticfed.gateway")
 
 EXIT_GATEWAY_FAILED = 1
 EXIT_DIVERGED = 5  # the model went non-finite: not served, not saved (3: a sync failure, 4: an edge refused)
+GATEWAY_JOIN_S = 30.0  # a gateway thread told to stop answers within its poll interval
 
 
 def load_admission(config: CloudConfig) -> CurveAdmission | None:
@@ -472,6 +473,18 @@ def run_hybrid(config: CloudConfig) -> int:
             "backend": backend,
         }
         print(json.dumps(ready), flush=True)
+
+    def leave(code: int) -> int:
+        """Stop the gateway thread and leave the process group, on every way out: a thread or a
+        group still alive when Python shuts down can abort a run that succeeded (common.cli)."""
+        stop_gateway.set()
+        if thread is not None:
+            thread.join(GATEWAY_JOIN_S)
+            if thread.is_alive():
+                log.error("the gateway thread did not stop within %.0f s", GATEWAY_JOIN_S)
+        dist.destroy_process_group()
+        return code
+
     if gateway is not None and config.hybrid.wait_for_edges:
         wait_for_edges(gateway, config.hybrid.wait_for_edges, config.hybrid.wait_s)
     params = gateway.params if gateway is not None else [p for _, p in trainable_parameters(module)]
@@ -499,9 +512,7 @@ def run_hybrid(config: CloudConfig) -> int:
             print(
                 f"elasticfed cloud serve: error: --metrics-bind {config.metrics_bind}: {exc}", file=sys.stderr
             )
-            stop_gateway.set()
-            dist.destroy_process_group()
-            return 2
+            return leave(2)
         if metrics is not None:
             print(json.dumps({"event": "metrics", "metrics_url": metrics.url}), flush=True)
     # The handlers hold the event, not `mixing`: a handler outlives this function until Python
@@ -514,16 +525,13 @@ def run_hybrid(config: CloudConfig) -> int:
         result = train(task, config.sync, config.train, device, module=module, mixing=mixing, data=data)
     except (CollectiveError, DivergenceError) as exc:
         log.error("%s", exc)
-        stop_gateway.set()
-        return EXIT_SYNC_FAILED
+        return leave(EXIT_SYNC_FAILED)
     except CheckpointError as exc:
         print(f"elasticfed cloud serve: error: --train-checkpoint-dir: {exc}", file=sys.stderr)
-        stop_gateway.set()
-        return 2
+        return leave(2)
     except TaskError as exc:
         print(f"elasticfed cloud serve: error: {exc}", file=sys.stderr)
-        stop_gateway.set()
-        return 2
+        return leave(2)
     finally:
         if metrics is not None:
             metrics.close()
@@ -531,8 +539,7 @@ def run_hybrid(config: CloudConfig) -> int:
             signal.signal(sig, handler)
     if mixing.gateway_failed:
         print("elasticfed cloud serve: error: the gateway thread failed (logged above)", file=sys.stderr)
-        dist.destroy_process_group()
-        return EXIT_GATEWAY_FAILED
+        return leave(EXIT_GATEWAY_FAILED)
     digests = gather_digests(parameters_digest(module), device)
     if gateway is not None:
         counts = mixing.counts
@@ -557,5 +564,4 @@ def run_hybrid(config: CloudConfig) -> int:
             ),
             flush=True,
         )
-    dist.destroy_process_group()
-    return 0
+    return leave(0)
