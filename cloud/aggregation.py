@@ -35,6 +35,20 @@ from typing import Protocol
 
 import torch
 
+from protocol.payload import Payload, Sparse
+
+
+def contribution(payload: Payload) -> torch.Tensor:
+    """What a pushed payload adds to its layer: the flat layer as a sparse COO tensor for a sparse
+    payload (an accumulator adds its k entries), the dense layer otherwise."""
+    return payload.to_sparse_coo() if isinstance(payload, Sparse) else payload.to_dense()
+
+
+def entries(tensor: torch.Tensor) -> torch.Tensor:
+    """The values a contribution holds: what finiteness and norms read (a sparse one's indices are
+    unique, so its norm is the layer's)."""
+    return tensor.values() if tensor.is_sparse else tensor
+
 
 class Weighting(Protocol):
     """Admission and weight of a contribution: its staleness (model versions behind) and count."""
@@ -147,7 +161,11 @@ class Accumulator(Protocol):
     """One layer's contributions in the open round."""
 
     def add(self, client: str, tensor: torch.Tensor, count: int, scale: float) -> None:
-        """Add a (scaled) sum; `count` is its share of the divisor (see `Weighting.share`)."""
+        """Add a (scaled) sum; `count` is its share of the divisor (see `Weighting.share`).
+
+        `tensor` is the layer (any shape), or the flat layer as a coalesced sparse COO tensor: a
+        top-k push of 1% adds its k entries, not the layer's n (100x less gateway work per push).
+        """
         ...
 
     def average(self, min_divisor: int = 1) -> torch.Tensor | None:
@@ -168,6 +186,13 @@ class LayerAccumulator:
 
     def add(self, client: str, tensor: torch.Tensor, count: int, scale: float) -> None:
         """Add a (scaled) sum; `count` is its share of the divisor (see `Weighting.share`)."""
+        if tensor.is_sparse:
+            if self.count == 0:
+                self.total.zero_()
+            values = tensor.values().to(self.total.dtype)
+            self.total.index_add_(0, tensor.indices()[0], values, alpha=scale)
+            self.count += count
+            return
         flat = tensor.reshape(-1)
         if self.count == 0:  # the first contribution of the round overwrites (no zeroing pass)
             if scale == 1.0:
@@ -204,7 +229,7 @@ class PerDeviceAccumulator:
         self.sums: dict[str, list] = {}  # client -> [sum tensor, count]
 
     def add(self, client: str, tensor: torch.Tensor, count: int, scale: float) -> None:
-        flat = tensor.reshape(-1).to(torch.float32)
+        flat = (tensor.to_dense() if tensor.is_sparse else tensor).reshape(-1).to(torch.float32)
         entry = self.sums.get(client)
         if entry is None:
             self.sums[client] = [flat * scale, count]

@@ -52,6 +52,8 @@ from cloud.aggregation import (
     OpenRound,
     RoundPolicy,
     Weighting,
+    contribution,
+    entries,
 )
 from cloud.delivery import DeliveryPace
 from cloud.durability import GatewayCheckpoints
@@ -81,6 +83,7 @@ from protocol import (
     Reason,
     Reject,
     Welcome,
+    all_finite,
     apply_limits,
     blob,
     decode,
@@ -781,22 +784,24 @@ class Gateway:
             self._ack(route, msg.seq, True, None, "", attempt=msg.attempt, epoch=self._epoch())
             return
         scale = self.weighting.scale(staleness, msg.lr or None)
-        dense = [layer.payload.to_dense() for layer in msg.layers]
-        for layer, tensor in zip(msg.layers, dense):
-            # The codec checked the frames; a top-k sum of repeated indices or a low-rank product
-            # can still overflow (fp16 above 65504) once expanded.
-            if not isinstance(layer.payload, Dense) and not bool(torch.isfinite(tensor).all()):
+        # A sparse push stays sparse (its k entries, not the layer's n): checks, the audit and the
+        # accumulators take either (cloud/aggregation.py).
+        parts = [contribution(layer.payload) for layer in msg.layers]
+        for layer, tensor in zip(msg.layers, parts):
+            # The codec checked the frames; int8 codes times their scale or a low-rank product can
+            # still overflow (fp16 above 65504) once expanded.
+            if not isinstance(layer.payload, Dense) and not all_finite(entries(tensor)):
                 state.record(msg.seq, Reason.NONFINITE.value, msg.attempt)
                 detail = f"layer {layer.name}: NaN or Inf once expanded from {type(layer.payload).__name__}"
                 self._refusals.warn(cid, Reason.NONFINITE.value, detail, now)
                 self._ack(route, msg.seq, False, Reason.NONFINITE, detail, attempt=msg.attempt)
                 return
-        factors = [1.0] * len(dense)
+        factors = [1.0] * len(parts)
         bound = self.options.max_grad_norm
         if bound > 0:
-            for j, (layer, tensor) in enumerate(zip(msg.layers, dense)):
+            for j, (layer, tensor) in enumerate(zip(msg.layers, parts)):
                 wide = torch.float64 if tensor.dtype == torch.float64 else torch.float32
-                norm = float(torch.linalg.vector_norm(tensor, dtype=wide))
+                norm = float(torch.linalg.vector_norm(entries(tensor), dtype=wide))  # unique indices
                 norm /= self.weighting.share(layer.count)
                 if norm <= bound:
                     continue
@@ -814,10 +819,13 @@ class Gateway:
         if applied is None:
             applied = self.applied_steps[cid] = [0] * len(self.params)
         mass = self._audited_mass(cid) if self.options.audit_mass else None
-        for layer, tensor, factor in zip(msg.layers, dense, factors):
+        for layer, tensor, factor in zip(msg.layers, parts, factors):
             i = self.layer_index[layer.name]  # the codec checked the name against the manifest
             if mass is not None:
-                mass[i].add_(tensor.reshape(-1))  # float64 += float32: computed in float64
+                if tensor.is_sparse:
+                    mass[i].index_add_(0, tensor.indices()[0], tensor.values().double())
+                else:
+                    mass[i].add_(tensor.reshape(-1))  # float64 += float32: computed in float64
             self.acc[i].add(cid, tensor, self.weighting.share(layer.count), scale * factor)
             self.metrics.applied.inc(cid, layer.name, by=layer.count)
             applied[i] += layer.count

@@ -4,7 +4,16 @@ Knows bytes, tensors and messages; nothing of training.
 """
 
 from protocol import blob
-from protocol.codec import DEFAULT_LIMITS, Limits, apply_limits, decode, encode, frame_bytes, limits_for
+from protocol.codec import (
+    DEFAULT_LIMITS,
+    Limits,
+    all_finite,
+    apply_limits,
+    decode,
+    encode,
+    frame_bytes,
+    limits_for,
+)
 from protocol.errors import ProtocolError, Reason
 from protocol.manifest import LayerSpec, Manifest
 from protocol.messages import (
@@ -61,6 +70,7 @@ __all__ = [
     "Sparse",
     "TopK",
     "Welcome",
+    "all_finite",
     "apply_limits",
     "blob",
     "decode",

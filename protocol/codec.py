@@ -472,7 +472,7 @@ class _LayerReader:
                 if checksum(buf) != want:
                     raise ProtocolError(Reason.CHECKSUM, f"{where}: frame {j} fails its checksum")
             tensor = tensor_from_buffer(buf, dtype, shape)
-            if not self.limits.allow_nonfinite and tensor.is_floating_point() and not _all_finite(tensor):
+            if not self.limits.allow_nonfinite and tensor.is_floating_point() and not all_finite(tensor):
                 raise ProtocolError(Reason.NONFINITE, f"{where}: frame {j} holds NaN or Inf")
             tensors.append(tensor)
         self.used += len(layout)
@@ -547,7 +547,7 @@ def _check_shape(shape: object, where: str, limits: Limits) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _all_finite(tensor: torch.Tensor) -> bool:
+def all_finite(tensor: torch.Tensor) -> bool:
     """One pass at memory speed: any NaN or Inf makes the sum non-finite.
 
     A non-finite sum can also be an overflow of finite values, so that rare

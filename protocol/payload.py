@@ -249,6 +249,16 @@ class Sparse:
         out[self.indices()] = self.values.to_dense()
         return out.view(self.shape)
 
+    def to_sparse_coo(self) -> torch.Tensor:
+        """The flat layer as a coalesced sparse COO tensor: k entries of work, not the layer's n."""
+        return torch.sparse_coo_tensor(
+            self.indices()[None],
+            self.values.to_dense(),
+            (math.prod(self.shape),),
+            is_coalesced=True,  # sorted and unique: the decoder checked a peer's, from_indices the caller's
+            check_invariants=False,  # the same promise: torch's check would cost what sparsity saves
+        )
+
 
 Payload = Dense | TopK | LowRank | Quantized | Sparse
 

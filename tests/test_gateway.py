@@ -18,6 +18,9 @@ from cloud.aggregation import (
     LayerAccumulator,
     MeanStep,
     OpenRound,
+    aggregation_named,
+    contribution,
+    entries,
     staleness_weight,
 )
 from cloud.delivery import DeliveryPace
@@ -40,6 +43,7 @@ from protocol import (
     decode,
     encode,
 )
+from protocol.payload import Sparse
 
 
 def make_model() -> nn.Module:
@@ -343,6 +347,39 @@ def test_accumulator_and_weighting_validate() -> None:
         MeanStep(discount=0.0)
     with pytest.raises(ValueError, match="quorum"):
         DeadlineQuorum(quorum=0)
+
+
+@pytest.mark.parametrize("aggregation", ["mean", "median", "trimmed_mean"])
+def test_a_sparse_push_adds_what_its_dense_expansion_adds(aggregation: str) -> None:
+    # The gateway keeps top-k pushes sparse (k entries of work, not n); a round that starts with
+    # one must not read the buffer's leftovers of the round before.
+    n = 300_000  # several 65,536-entry blocks of the sparse format
+    gen = torch.Generator().manual_seed(0)
+
+    def sparse_push(k: int, dtype: torch.dtype) -> Sparse:
+        idx = torch.randperm(n, generator=gen)[:k].sort().values
+        return Sparse.from_indices(idx, Dense(torch.randn(k, generator=gen).to(dtype)), (n,))
+
+    pushes = [
+        ("a", sparse_push(3000, torch.float32), 3, 0.5),
+        ("b", Dense(torch.randn(n, generator=gen)), 1, 1.0),
+        ("a", sparse_push(500, torch.float16), 2, 0.7),
+        ("c", sparse_push(3000, torch.float32), 1, 1.0),
+    ]
+    sparse_acc = aggregation_named(aggregation).accumulator(n)
+    dense_acc = aggregation_named(aggregation).accumulator(n)
+    sparse_acc.add("z", torch.full((n,), 1e6), 1, 1.0)  # the round before: leftovers in the buffer
+    sparse_acc.reset()
+    for client, payload, count, scale in pushes:
+        sparse_acc.add(client, contribution(payload), count, scale)
+        dense_acc.add(client, payload.to_dense().to(torch.float32), count, scale)
+    assert contribution(pushes[0][1]).is_sparse and contribution(pushes[0][1])._nnz() == 3000
+    expected, got = dense_acc.average(min_divisor=2), sparse_acc.average(min_divisor=2)
+    assert expected is not None and got is not None
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+    assert float(entries(contribution(pushes[0][1])).norm()) == pytest.approx(
+        float(pushes[0][1].to_dense().norm()), rel=1e-6
+    )
 
 
 def test_a_reply_that_cannot_be_delivered_is_counted_not_lost_silently(gateway: Gateway) -> None:
