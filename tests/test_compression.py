@@ -17,9 +17,10 @@ from fleet import gateway_thread, train_digits
 from common.checkpoint import CheckpointError
 from common.link import Faults
 from common.task import load_task
+from edge import compression
 from edge.agent import ElasticEdge
 from edge.cache import GradientCache
-from edge.compression import INT8_CHUNK, AutoCompression, UplinkCompression, quantize
+from edge.compression import INT8_CHUNK, AutoCompression, UplinkCompression, largest_magnitudes, quantize
 from edge.persistence import MASS_AUDIT_FILE, read_mass_audit, write_mass_audit
 from edge.session import SessionOptions
 from protocol import LayerGradient, Push, Sparse, decode, encode
@@ -77,6 +78,33 @@ def test_topk_keeps_exactly_the_largest_entries() -> None:
     assert isinstance(payload, Sparse)
     assert torch.equal(payload.indices(), big.sort().values)
     assert torch.equal(payload.to_dense().view(-1)[big], x[big])
+
+
+@pytest.mark.parametrize("ratio", [0.001, 0.01, 0.1])
+@pytest.mark.parametrize("kind", ["gaussian", "heavy-tailed", "mostly-zero"])
+def test_the_sampled_threshold_keeps_what_an_exact_topk_keeps(ratio: float, kind: str) -> None:
+    gen = torch.Generator().manual_seed(7)
+    n = 300_000  # past the sampled path's floor
+    x = torch.randn(n, generator=gen)
+    if kind == "heavy-tailed":
+        x = x / torch.rand(n, generator=gen).clamp_min(1e-3)
+    elif kind == "mostly-zero":  # an embedding's gradient: rows nobody used are zero (ties)
+        x[torch.rand(n, generator=gen) < 0.995] = 0.0
+    k = math.ceil(ratio * n)
+    got = largest_magnitudes(x, k)
+    want = torch.topk(x.abs(), k).values
+    assert got.numel() == k and bool((got[1:] > got[:-1]).all())  # sorted, unique
+    assert torch.equal(x[got].abs().sort(descending=True).values, want)
+
+
+def test_a_sample_that_misses_the_large_entries_falls_back_to_the_exact_topk() -> None:
+    n, k = 300_000, 3000
+    largest_magnitudes(torch.randn(n), k)  # fixes the sampled positions for this size
+    sampled = compression._samples[n]
+    x = torch.rand(n) * 0.5
+    x[sampled] = 1.0 + torch.rand(sampled.numel())  # the sample sees only the largest: too few above
+    got = largest_magnitudes(x, k)
+    assert torch.equal(got, torch.topk(x.abs(), k).indices.sort().values)
 
 
 def test_int8_error_is_at_most_half_a_step_of_its_chunk() -> None:
