@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.topk import largest_magnitudes
 from protocol.payload import SPARSE_BLOCK, Dense, Payload, Quantized, Sparse
 
 INT8_CHUNK = 256  # elements per int8 scale: 1.6% of the codes' bytes for fp32 scales
@@ -41,40 +42,6 @@ AUTO_MIN_RATIO, AUTO_MAX_RATIO = 0.001, 0.25  # the top-k ratios `auto` chooses 
 # PROBE_GROWTH (then it probes again at once, doubling towards the link's rate).
 PROBE_EVERY_S, PROBE_S, PROBE_SETTLE_S = 10.0, 1.0, 1.0
 PROBE_GAIN, PROBE_GROWTH = 2.0, 1.25
-
-
-TOPK_SAMPLE = 16384  # magnitudes sampled to find a threshold below the k-th largest
-TOPK_MARGIN = 1.25  # the threshold aims at this many times k entries (then cut to k exactly)
-_samples: dict[int, torch.Tensor] = {}  # layer size -> the sampled positions (fixed: seeded by the size)
-
-
-def largest_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
-    """The sorted flat indices of the k entries of largest magnitude: exactly top-k's, about 2.5x
-    faster on large layers.
-
-    A threshold from a sample of the magnitudes keeps a little more than k candidates in one
-    pass, and top-k runs on those alone (Deep Gradient Compression samples the same way).  The
-    edge encodes every push on its CPU; on the base model a whole top-k push took 75 ms
-    there (one thread), more than a Jetson's training step.  Where the candidates come short
-    of k (a sample that missed), the exact top-k of the whole layer decides.
-    """
-    n = flat.numel()
-    magnitudes = flat.abs()
-    if n <= 4 * TOPK_SAMPLE or k * 4 > n:
-        return torch.topk(magnitudes, k, sorted=False).indices.sort().values
-    where = _samples.get(n)
-    if where is None:
-        if len(_samples) >= 1024:
-            _samples.clear()
-        where = torch.randint(n, (TOPK_SAMPLE,), generator=torch.Generator().manual_seed(n))
-        _samples[n] = where
-    aim = min(TOPK_SAMPLE, math.ceil(TOPK_SAMPLE * k / n * TOPK_MARGIN) + 8)
-    threshold = torch.topk(magnitudes[where], aim, sorted=False).values.min()
-    candidates = (magnitudes >= threshold).nonzero().squeeze(1)
-    if candidates.numel() < k:
-        return torch.topk(magnitudes, k, sorted=False).indices.sort().values
-    keep = torch.topk(magnitudes[candidates], k, sorted=False).indices
-    return candidates[keep].sort().values
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,14 @@ import pytest
 import torch
 from fleet import gateway_thread, train_digits
 
+from common import topk
 from common.checkpoint import CheckpointError
 from common.link import Faults
 from common.task import load_task
-from edge import compression
+from common.topk import largest_magnitudes
 from edge.agent import ElasticEdge
 from edge.cache import GradientCache
-from edge.compression import INT8_CHUNK, AutoCompression, UplinkCompression, largest_magnitudes, quantize
+from edge.compression import INT8_CHUNK, AutoCompression, UplinkCompression, quantize
 from edge.persistence import MASS_AUDIT_FILE, read_mass_audit, write_mass_audit
 from edge.session import SessionOptions
 from protocol import LayerGradient, Push, Sparse, decode, encode
@@ -100,7 +101,7 @@ def test_the_sampled_threshold_keeps_what_an_exact_topk_keeps(ratio: float, kind
 def test_a_sample_that_misses_the_large_entries_falls_back_to_the_exact_topk() -> None:
     n, k = 300_000, 3000
     largest_magnitudes(torch.randn(n), k)  # fixes the sampled positions for this size
-    sampled = compression._samples[n]
+    sampled = topk._samples[n]
     x = torch.rand(n) * 0.5
     x[sampled] = 1.0 + torch.rand(sampled.numel())  # the sample sees only the largest: too few above
     got = largest_magnitudes(x, k)
