@@ -55,6 +55,7 @@ class LinkMeter:
         self._last_answer = float("-inf")
         self._runs_from = float("-inf")  # messages sent before this join no run (new_run)
         self._run: deque[tuple[float, float, int]] = deque()  # (sent, answered, bytes): a busy run
+        self._run_bytes = 0  # their bytes (small pushes make long runs: not summed per answer)
         self._samples = RecentMax()  # bytes/s
 
     def observe_rtt(self, seconds: float) -> None:
@@ -80,11 +81,12 @@ class LinkMeter:
         if sent_at < self._runs_from:
             return  # sent before a probe began: it would dilute the probe's run
         if not busy:
-            self._run.clear()
+            self._clear_run()
         self._run.append((sent_at, now, nbytes))
+        self._run_bytes += nbytes
         while len(self._run) > 2 and now - self._run[1][1] >= RUN_WINDOW_S:
-            self._run.popleft()
-        total = sum(b for _, _, b in self._run)
+            self._run_bytes -= self._run.popleft()[2]
+        total = self._run_bytes
         if total < RATE_SAMPLE_MIN_BYTES:
             # Too few bytes to time: the path's latency, not its rate.  Small messages still join
             # a busy run: compressed pushes of a few KB each are the whole uplink of an edge.
@@ -103,11 +105,15 @@ class LinkMeter:
     def new_run(self, now: float) -> None:
         """Time what is sent from `now` on by itself (a probe: earlier messages would dilute it)."""
         self._runs_from = now
-        self._run.clear()
+        self._clear_run()
 
     def connection_replaced(self) -> None:
         self._last_answer = float("-inf")
-        self._run.clear()  # the rate samples stay: the same path
+        self._clear_run()  # the rate samples stay: the same path
+
+    def _clear_run(self) -> None:
+        self._run.clear()
+        self._run_bytes = 0
 
     def budget(self, size: int = 0) -> int:
         """Bytes that may be outstanding on the connection (at least one message of `size`)."""
