@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import numpy
 import torch
 
 from protocol.errors import ProtocolError, Reason
@@ -495,18 +496,24 @@ def _payload(
     if enc == "sparse":
         counts, offsets = tensors[0], tensors[1]
         k = offsets.numel()
+        # In numpy (views, no copies): these checks run on every layer of every push, most of
+        # them small, where a torch call's overhead was most of a layer's decode.
+        c = counts.numpy()
         if numel:
-            last = numel - (counts.numel() - 1) * SPARSE_BLOCK  # the last block may be short
-            room = torch.full_like(counts, SPARSE_BLOCK)
-            room[-1] = last
-            if int(counts.min()) < 0 or bool((counts > room).any()) or int(counts.sum()) != k:
+            last = numel - (c.size - 1) * SPARSE_BLOCK  # the last block may be short
+            if (
+                int(c.min()) < 0
+                or int(c[:-1].max(initial=0)) > SPARSE_BLOCK
+                or int(c[-1]) > last
+                or int(c.sum(dtype=numpy.int64)) != k
+            ):
                 raise ProtocolError(
                     Reason.ENCODING,
                     f"{where}: sparse block counts are negative, exceed their block or do not add up to {k}",
                 )
         if k:
-            blocks = torch.repeat_interleave(torch.arange(counts.numel()) * SPARSE_BLOCK, counts.long())
-            flat = blocks + (offsets.long() & 0xFFFF)
+            blocks = numpy.repeat(numpy.arange(c.size, dtype=numpy.int64) * SPARSE_BLOCK, c)
+            flat = blocks + offsets.numpy().view(numpy.uint16)
             if k > 1 and not bool((flat[1:] > flat[:-1]).all()):
                 raise ProtocolError(Reason.ENCODING, f"{where}: sparse indices are not sorted and unique")
             if int(flat[-1]) >= numel:
@@ -529,7 +536,7 @@ def _chunk(desc: dict, numel: int, where: str) -> int:
 def _quantized(
     codes: torch.Tensor, scales: torch.Tensor, chunk: int, shape: tuple[int, ...], where: str
 ) -> Quantized:
-    if codes.numel() and int(codes.min()) < -INT8_MAX:
+    if codes.numel() and int(codes.numpy().min()) < -INT8_MAX:
         raise ProtocolError(Reason.ENCODING, f"{where}: int8 code -128 (codes are -127..127)")
     if scales.numel() and float(scales.min()) < 0:
         raise ProtocolError(Reason.ENCODING, f"{where}: negative int8 scale")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy
 import torch
 import xxhash
 
@@ -221,7 +222,8 @@ class Sparse:
             raise ValueError("sparse offsets must be a 1-D int16 tensor")
         if self.values.shape != (self.offsets.numel(),):
             raise ValueError(f"{self.offsets.numel()} offsets but values of shape {self.values.shape}")
-        if blocks and (int(self.counts.min()) < 0 or int(self.counts.sum()) != self.offsets.numel()):
+        c = self.counts.numpy()  # numpy for small arrays: a torch call's overhead, per layer and push
+        if blocks and (int(c.min()) < 0 or int(c.sum(dtype=numpy.int64)) != self.offsets.numel()):
             raise ValueError(f"sparse block counts do not add up to the {self.offsets.numel()} offsets")
 
     @classmethod
@@ -240,9 +242,9 @@ class Sparse:
 
     def indices(self) -> torch.Tensor:
         """Flat int64 indices, from the counts and offsets."""
-        blocks = torch.arange(self.counts.numel(), dtype=torch.int64)
-        base = torch.repeat_interleave(blocks * SPARSE_BLOCK, self.counts.long())
-        return base + (self.offsets.long() & 0xFFFF)
+        blocks = numpy.arange(self.counts.numel(), dtype=numpy.int64) * SPARSE_BLOCK
+        base = numpy.repeat(blocks, self.counts.numpy())
+        return torch.from_numpy(base + self.offsets.numpy().view(numpy.uint16))
 
     def to_dense(self) -> torch.Tensor:
         out = torch.zeros(math.prod(self.shape), dtype=self.dtype)
