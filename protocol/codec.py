@@ -511,18 +511,18 @@ def _payload(
                     Reason.ENCODING,
                     f"{where}: sparse block counts are negative, exceed their block or do not add up to {k}",
                 )
-        if k:
-            blocks = numpy.repeat(numpy.arange(c.size, dtype=numpy.int64) * SPARSE_BLOCK, c)
-            flat = blocks + offsets.numpy().view(numpy.uint16)
-            if k > 1 and not bool((flat[1:] > flat[:-1]).all()):
-                raise ProtocolError(Reason.ENCODING, f"{where}: sparse indices are not sorted and unique")
-            if int(flat[-1]) >= numel:
-                raise ProtocolError(Reason.ENCODING, f"{where}: sparse index outside [0, {numel})")
         if desc["values"] == "float":
             values: Dense | Quantized = Dense(tensors[2])
         else:
             values = _quantized(tensors[2], tensors[3], desc["chunk"], (k,), where)
-        return Sparse(counts, offsets, values, shape)
+        payload = Sparse(counts, offsets, values, shape)
+        if k:
+            flat = payload.indices().numpy()  # the counts are checked: at most k entries
+            if k > 1 and not bool((flat[1:] > flat[:-1]).all()):
+                raise ProtocolError(Reason.ENCODING, f"{where}: sparse indices are not sorted and unique")
+            if int(flat[-1]) >= numel:
+                raise ProtocolError(Reason.ENCODING, f"{where}: sparse index outside [0, {numel})")
+        return payload
     return LowRank(tensors[0], tensors[1], shape)
 
 
