@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             g.checkpoint_dir, g.checkpoint_every_rounds, g.checkpoint_keep, every_s=g.checkpoint_every_s
         )
         gateway = build_gateway(config, task, round_logger(admission), admission, checkpoints)
-        checkpoints.restore(gateway)
+        gateway.restore()
         port = gateway.bind().rsplit(":", 1)[1]
         threading.Thread(target=gateway.serve, args=(stop,), name="gateway", daemon=True).start()
         argv = [

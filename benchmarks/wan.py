@@ -290,7 +290,7 @@ def run_elasticfed(
             g.checkpoint_dir, g.checkpoint_every_rounds, g.checkpoint_keep, every_s=g.checkpoint_every_s
         )
         gateway = build_gateway(config, task, round_logger(admission), admission, checkpoints)
-        checkpoints.restore(gateway)
+        gateway.restore()
         endpoint = gateway.bind()
         port = endpoint.rsplit(":", 1)[1]
         serving = threading.Thread(target=gateway.serve, args=(stop,), name="gateway", daemon=True)

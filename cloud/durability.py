@@ -20,35 +20,53 @@ written to disk by a predecessor.
 
 Also recorded, for audits: the step-gradients applied per device and layer over
 the whole checkpointed history.
+
+This module knows files, not gateways: the gateway hands it a `GatewayState` value to save
+(and says the commit itself once `save` returns), and takes one back from `restore`, which
+tries the newest file first and skips any that does not decode or that the gateway refuses.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from cloud.ema import accumulator_dtype
-from common.checkpoint import (
-    CheckpointError,
-    CheckpointStore,
-    load_optimizer_state,
-    optimizer_state_tensors,
-    read_tensors,
-)
-
-if TYPE_CHECKING:
-    from cloud.gateway import Gateway
+from cloud.clients import ClientState
+from common.checkpoint import CheckpointError, CheckpointStore, read_tensors
 
 log = logging.getLogger("elasticfed.gateway")
 
 KIND = "elasticfed-gateway"
 MODEL_PREFIX = "model/"
 EMA_PREFIX = "ema/"  # the average of the published versions the gateway reports (cloud/ema.py)
+
+
+@dataclass
+class GatewayState:
+    """A gateway between rounds, as a value: what one checkpoint holds.
+
+    Every accumulator is empty when it is taken, so the model, the versions and the verdicts
+    are one consistent picture (module docstring).  `epoch` is the checkpoint's number: the
+    pushes acknowledged with it are durable once this value is on disk.
+    """
+
+    manifest: str  # the model's manifest digest: a checkpoint of another model is refused
+    model: dict[str, torch.Tensor]
+    optimizer_tensors: dict[str, torch.Tensor]
+    optimizer_meta: dict[str, Any]
+    version: int
+    round: int  # the number of the next round to open
+    epoch: int
+    clients: dict[str, ClientState]  # floors and verdicts (routes are this instance's)
+    lineage: dict[str, int]  # instance -> the newest checkpoint it wrote, that this descends from
+    applied_steps: dict[str, dict[str, int]]  # client -> layer -> step-gradients applied (audit)
+    ema: tuple[dict[str, torch.Tensor], int] | None = None  # (average, versions folded); None: none
 
 
 @dataclass
@@ -81,158 +99,123 @@ class GatewayCheckpoints:
             )
         self.store = CheckpointStore(self.directory, KIND, keep=self.keep, exclusive=True)
 
-    def after_round(self, gateway: Gateway) -> None:
-        closed = gateway.open.number - 1
+    def due_after_round(self, closed_round: int) -> bool:
+        """Whether the round just closed is to be saved: every `every_rounds`, or `every_s` passed."""
         due = self.every_s > 0 and time.monotonic() - self.last_saved_at >= self.every_s
-        if due or closed % self.every_rounds == 0:
-            self.save(gateway)
+        return due or closed_round % self.every_rounds == 0
 
-    def when_idle(self, gateway: Gateway, now: float, last_close: float) -> None:
-        """Between rounds (nothing open), save rounds not on disk once the gateway has been idle."""
-        if (
-            gateway.open.opened_at is None
-            and self.saved_version != gateway.version
-            and now - last_close >= self.idle_s
-        ):
-            self.save(gateway)
+    def due_when_idle(self, version: int, now: float, last_close: float) -> bool:
+        """Between rounds: whether unsaved rounds are to be saved because none closed for `idle_s`."""
+        return self.saved_version != version and now - last_close >= self.idle_s
 
-    def save(self, gateway: Gateway) -> Path:
-        """Write the gateway's state; once it is on disk, edges are told (the commit)."""
-        tensors, meta = export_state(gateway, self.lineage_max)
-        self.last_saved = self.store.save(gateway.version, tensors, meta)
+    def save(self, state: GatewayState) -> Path:
+        """Write `state`; once this returns it is on disk (the caller tells the edges: the commit)."""
+        tensors, meta = encode(state, self.lineage_max)
+        self.last_saved = self.store.save(state.version, tensors, meta)
         self.last_saved_at = time.monotonic()
-        self.saved_version = gateway.version
-        log.debug("checkpoint %d: %s (version %d)", meta["epoch"], self.last_saved, gateway.version)
-        gateway.on_durable(meta["epoch"])
+        self.saved_version = state.version
+        log.debug("checkpoint %d: %s (version %d)", state.epoch, self.last_saved, state.version)
         return self.last_saved
 
-    def restore(self, gateway: Gateway) -> Path | None:
-        """Load the newest checkpoint that is whole and of this model; None if there is none."""
+    def restore(self, manifest: str, adopt: Callable[[GatewayState], None]) -> Path | None:
+        """Hand the newest checkpoint of the model whose manifest digest is `manifest`, that decodes
+        and that `adopt` accepts, to `adopt`; None if there is none.
+
+        `adopt` raises CheckpointError (or ValueError) for a state that does not fit, before it
+        changes anything: the file is skipped with its name and the reason, and the next tried.
+        """
         self.skipped = []
         for path in self.store.entries():
             try:
                 tensors, meta = read_tensors(path, KIND)
-                import_state(gateway, tensors, meta, path)
+                if meta.get("manifest") != manifest:
+                    raise CheckpointError("written for another model (manifest digest differs)")
+                state = decode(tensors, meta)
+                adopt(state)
             except (CheckpointError, ValueError, KeyError, TypeError) as exc:
-                self.skipped.append((path, str(exc)))
+                why = str(exc) if str(path) in str(exc) else f"{path}: {exc}"
+                self.skipped.append((path, why))
                 log.warning("skipped checkpoint %s: %s", path, exc)
                 continue
-            self.saved_version = gateway.version
+            self.saved_version = state.version
             log.info(
                 "resumed from %s (checkpoint %d, model version %d, round %d)",
                 path,
-                gateway.durable_epoch,
-                gateway.version,
-                gateway.open.number,
+                state.epoch,
+                state.version,
+                state.round,
             )
             return path
         return None
 
 
-def export_state(gateway: Gateway, lineage_max: int = 1024) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Tensors and JSON of a gateway between rounds."""
-    tensors = {MODEL_PREFIX + n: p.detach().to("cpu") for n, p in zip(gateway.names, gateway.params)}
-    optim_tensors, optim_meta = optimizer_state_tensors(gateway.optimizer)
-    tensors.update(optim_tensors)
+def encode(state: GatewayState, lineage_max: int = 1024) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A state as a checkpoint file's tensors and JSON."""
+    tensors = {MODEL_PREFIX + n: t.detach().to("cpu") for n, t in state.model.items()}
+    tensors.update(state.optimizer_tensors)
     ema_count = None
-    if gateway.ema is not None and gateway.ema.tensors:
-        ema_count = gateway.ema.count
-        tensors.update({EMA_PREFIX + n: t for n, t in gateway.averaged().items()})
+    if state.ema is not None:
+        averaged, ema_count = state.ema
+        tensors.update({EMA_PREFIX + n: t for n, t in averaged.items()})
     clients = {
         cid: {
-            "floor": state.floor,
+            "floor": client.floor,
             "verdicts": [
-                [seq, code, attempt, epoch] for seq, (code, attempt, epoch) in sorted(state.verdicts.items())
+                [seq, code, attempt, epoch] for seq, (code, attempt, epoch) in sorted(client.verdicts.items())
             ],
         }
-        for cid, state in gateway.clients.items()
+        for cid, client in state.clients.items()
     }
-    epoch = gateway.durable_epoch + 1
-    lineage = dict(gateway.lineage)
-    lineage[gateway.gateway_id] = epoch  # true once this file is on disk
+    lineage = dict(state.lineage)
     if len(lineage) > lineage_max:
         lineage = dict(sorted(lineage.items(), key=lambda kv: kv[1])[-lineage_max:])
-    applied = {
-        cid: {name: n for name, n in zip(gateway.names, counts) if n}
-        for cid, counts in gateway.applied_steps.items()
-    }
     meta = {
-        "manifest": gateway.manifest.digest,
-        "version": gateway.version,
-        "round": gateway.open.number,
-        "epoch": epoch,
-        "optimizer": optim_meta,
+        "manifest": state.manifest,
+        "version": state.version,
+        "round": state.round,
+        "epoch": state.epoch,
+        "optimizer": state.optimizer_meta,
         "clients": clients,
         "lineage": lineage,
-        "applied_steps": applied,
+        "applied_steps": {cid: dict(by_layer) for cid, by_layer in state.applied_steps.items()},
         "ema_count": ema_count,  # None: no average saved (tensors under EMA_PREFIX otherwise)
     }
     return tensors, meta
 
 
-def import_state(
-    gateway: Gateway, tensors: dict[str, torch.Tensor], meta: dict[str, Any], path: Path
-) -> None:
-    """Put a checkpoint into a fresh gateway; raises CheckpointError naming what does not fit."""
-    from cloud.gateway import ClientState
+def decode(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> GatewayState:
+    """A checkpoint file's tensors and JSON as a state; raises CheckpointError naming what is wrong.
 
-    if meta.get("manifest") != gateway.manifest.digest:
-        raise CheckpointError(f"{path}: written for another model (manifest digest differs)")
-    for name, param in zip(gateway.names, gateway.params):
-        saved = tensors.get(MODEL_PREFIX + name)
-        if saved is None or saved.shape != param.shape or saved.dtype != param.dtype:
-            raise CheckpointError(f"{path}: model tensor {name} is missing or has another shape or dtype")
-    ema = _saved_average(gateway, tensors, meta, path)
+    Only the file's own consistency is checked here; whether it fits a model is the adopter's.
+    """
+    epoch = meta["epoch"]
+    count = meta.get("ema_count")
+    ema = None
+    if count is not None:
+        if type(count) is not int or count < 1:
+            raise CheckpointError(f"ema_count must be a whole number >= 1, got {count!r}")
+        ema = ({k[len(EMA_PREFIX) :]: t for k, t in tensors.items() if k.startswith(EMA_PREFIX)}, count)
     clients = {}
     for cid, entry in meta["clients"].items():
-        state = ClientState(str(cid), route=b"")
-        state.floor = int(entry["floor"])
-        for seq, code, attempt, epoch in entry["verdicts"]:
-            state.record(int(seq), str(code), int(attempt), int(epoch))
-        state.forgotten_epoch = int(meta["epoch"])  # everything below the floor is in this file
-        clients[cid] = state
-    lineage = {str(k): int(v) for k, v in meta["lineage"].items()}
-    applied: dict[str, list[int]] = {}
-    for cid, by_layer in meta["applied_steps"].items():
-        counts = applied[str(cid)] = [0] * len(gateway.names)
-        for name, n in by_layer.items():
-            counts[gateway.layer_index[name]] = int(n)
-    saved_optimizer = meta["optimizer"].get("optimizer") if isinstance(meta["optimizer"], dict) else None
-    if saved_optimizer is not None and saved_optimizer != type(gateway.optimizer).__name__:
-        # --gateway-optimizer changed between runs: what was applied and acknowledged stays (the
-        # model, the versions, every edge's verdicts); only the optimizer's moments start afresh.
-        log.warning(
-            "checkpoint %s holds %s state and the gateway's optimizer is now %s: the model, versions "
-            "and verdicts are restored, the optimizer starts fresh",
-            path,
-            saved_optimizer,
-            type(gateway.optimizer).__name__,
-        )
-    else:
-        load_optimizer_state(gateway.optimizer, tensors, meta["optimizer"])
-    with torch.no_grad():
-        for name, param in zip(gateway.names, gateway.params):
-            param.copy_(tensors[MODEL_PREFIX + name])
-    if gateway.ema is not None:
-        saved_tensors, count = ema if ema is not None else ({}, 0)
-        gateway.ema.load(saved_tensors, count)
-    gateway.resume(int(meta["version"]), int(meta["round"]), clients, int(meta["epoch"]), lineage, applied)
-
-
-def _saved_average(
-    gateway: Gateway, tensors: dict[str, torch.Tensor], meta: dict[str, Any], path: Path
-) -> tuple[dict[str, torch.Tensor], int] | None:
-    """The saved average and its count, checked against the model; None if none was saved (a
-    checkpoint from before averaging, or a gateway without it: the average starts afresh)."""
-    count = meta.get("ema_count")
-    if count is None or gateway.ema is None:
-        return None
-    if type(count) is not int or count < 1:
-        raise CheckpointError(f"{path}: ema_count must be a whole number >= 1, got {count!r}")
-    saved = {}
-    for name, param in zip(gateway.names, gateway.params):
-        t = tensors.get(EMA_PREFIX + name)
-        if t is None or t.shape != param.shape or t.dtype != accumulator_dtype(param.dtype):
-            raise CheckpointError(f"{path}: averaged tensor {name} is missing or has another shape or dtype")
-        saved[name] = t
-    return saved, count
+        client = ClientState(str(cid), route=b"")
+        client.floor = int(entry["floor"])
+        for seq, code, attempt, verdict_epoch in entry["verdicts"]:
+            client.record(int(seq), str(code), int(attempt), int(verdict_epoch))
+        client.forgotten_epoch = int(epoch)  # everything below the floor is in this file
+        clients[str(cid)] = client
+    return GatewayState(
+        manifest=str(meta.get("manifest")),
+        model={k[len(MODEL_PREFIX) :]: t for k, t in tensors.items() if k.startswith(MODEL_PREFIX)},
+        optimizer_tensors={k: t for k, t in tensors.items() if not k.startswith((MODEL_PREFIX, EMA_PREFIX))},
+        optimizer_meta=meta["optimizer"],
+        version=int(meta["version"]),
+        round=int(meta["round"]),
+        epoch=int(epoch),
+        clients=clients,
+        lineage={str(k): int(v) for k, v in meta["lineage"].items()},
+        applied_steps={
+            str(cid): {str(name): int(n) for name, n in by_layer.items()}
+            for cid, by_layer in meta["applied_steps"].items()
+        },
+        ema=ema,
+    )

@@ -28,14 +28,14 @@ other device's state.
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import logging
 import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -55,11 +55,13 @@ from cloud.aggregation import (
     contribution,
     entries,
 )
+from cloud.clients import ClientState
 from cloud.delivery import DeliveryPace
-from cloud.durability import GatewayCheckpoints
-from cloud.ema import ModelEma
+from cloud.durability import GatewayCheckpoints, GatewayState
+from cloud.ema import ModelEma, accumulator_dtype
 from cloud.publication import PublicModel
 from cloud.watch import LossWatch
+from common.checkpoint import CheckpointError, load_optimizer_state, optimizer_state_tensors
 from common.hooks import trainable_parameters
 from common.link import TokenBucket
 from common.metrics import LATENCY_BUCKETS_S, STALENESS_BUCKETS, Metrics
@@ -282,49 +284,6 @@ class _RefusalLog:
         self._last[key] = (now, 0)
         more = f" ({quiet} more like it not logged)" if quiet else ""
         log.warning("refused a message from %s (%s): %s%s", who, reason, detail, more)
-
-
-@dataclass
-class ClientState:
-    """What the gateway remembers of one edge: its route and its recent verdicts."""
-
-    client_id: str
-    route: bytes
-    floor: int = 0  # every seq below this is resolved on the edge's side
-    # seq -> (code, attempt, epoch): code "" is applied; attempt is the copy of the push that was
-    # judged; epoch the model version whose checkpoint makes an applied push durable (0: none).
-    verdicts: dict[int, tuple[str, int, int]] = field(default_factory=dict)
-    order: list[int] = field(default_factory=list)  # heap of the seqs in `verdicts`
-    last_seen: float = 0.0
-    # Said hello to this gateway instance.  Not so for a state restored from a checkpoint: the
-    # edge must say hello (and learn of the restart) before a push is accepted.
-    welcomed: bool = False
-    # The newest epoch among applied verdicts forgotten below the floor: a duplicate from down
-    # there was applied in a checkpoint up to it (see _on_push).
-    forgotten_epoch: int = 0
-    # The model version this edge is downloading (chunks served), and when it last asked: on a
-    # slow link, versions published during a download are ones it could not have had (_on_push).
-    fetching: int = 0
-    fetched_at: float = float("-inf")
-    # How long its last download took, as it says (ModelFetch.fetch_ms): rounds close no faster.
-    fetch_s: float | None = None
-
-    def record(self, seq: int, code: str, attempt: int, epoch: int = 0) -> None:
-        self.verdicts[seq] = (code, attempt, epoch)
-        heapq.heappush(self.order, seq)
-
-    def pending(self, limit: int) -> tuple[tuple[int, str, int], ...]:
-        """Verdicts the edge may not have heard yet (oldest first), for a cumulative acknowledgement."""
-        seqs = self.order if len(self.order) <= limit else heapq.nsmallest(limit, self.order)
-        return tuple((seq, self.verdicts[seq][0], self.verdicts[seq][2]) for seq in sorted(seqs))
-
-    def raise_floor(self, floor: int) -> None:
-        """The edge no longer needs verdicts below `floor`: forget them (bounded memory)."""
-        self.floor = floor
-        while self.order and self.order[0] < floor:
-            verdict = self.verdicts.pop(heapq.heappop(self.order), None)
-            if verdict is not None and not verdict[0]:
-                self.forgotten_epoch = max(self.forgotten_epoch, verdict[2])
 
 
 @dataclass(frozen=True)
@@ -559,8 +518,12 @@ class Gateway:
                     break
                 self.handle(frames)
         self.maybe_close_round()
-        if self.checkpoints is not None:
-            self.checkpoints.when_idle(self, self.clock(), self._last_close)
+        if (
+            self.checkpoints is not None
+            and self.open.opened_at is None
+            and self.checkpoints.due_when_idle(self.version, self.clock(), self._last_close)
+        ):
+            self.checkpoint()
 
     def close(self, linger_s: float = 1.0) -> None:
         """Stop serving; replies already queued (the last round's acks) get `linger_s` to leave.
@@ -573,7 +536,7 @@ class Gateway:
                 if self.open.opened_at is not None:
                     self.close_round()
                 if self.checkpoints.saved_version != self.version:
-                    self.checkpoints.save(self)
+                    self.checkpoint()
             self.checkpoints.store.close()
         if self._sock is not None:
             self._sock.close(linger=int(linger_s * 1000))
@@ -981,8 +944,8 @@ class Gateway:
         self.open = OpenRound(number=rnd.number + 1, layers=len(self.params))
         self._last_close = now
         log.debug("round %d closed: %s", summary.number, summary.as_dict())
-        if self.checkpoints is not None:
-            self.checkpoints.after_round(self)
+        if self.checkpoints is not None and self.checkpoints.due_after_round(rnd.number):
+            self.checkpoint()
         if self.on_round is not None:
             self.on_round(summary)
         return summary
@@ -1036,35 +999,104 @@ class Gateway:
         """The number of the checkpoint that will hold what is applied now (0: no checkpoints)."""
         return self.durable_epoch + 1 if self.checkpoints is not None else 0
 
-    def on_durable(self, epoch: int) -> None:
-        """Checkpoint `epoch` is on disk: tell every connected edge (the commit)."""
-        self.durable_epoch = epoch
-        self.lineage[self.gateway_id] = epoch
-        commit = Commit(durable_epoch=epoch, gateway_id=self.gateway_id)
+    # ---------------------------------------------------------------- durability
+    def state(self) -> GatewayState:
+        """This gateway between rounds, as a value (cloud/durability.py).  It shares the live
+        parameters and client states: write it before the next message is handled."""
+        optimizer_tensors, optimizer_meta = (
+            optimizer_state_tensors(self.optimizer) if self.optimizer is not None else ({}, {})
+        )
+        epoch = self.durable_epoch + 1
+        ema = None
+        if self.ema is not None and self.ema.tensors:
+            ema = (self.averaged(), self.ema.count)
+        return GatewayState(
+            manifest=self.manifest.digest,
+            model={n: p.detach().to("cpu") for n, p in zip(self.names, self.params)},
+            optimizer_tensors=optimizer_tensors,
+            optimizer_meta=optimizer_meta,
+            version=self.version,
+            round=self.open.number,
+            epoch=epoch,
+            clients=self.clients,
+            lineage={**self.lineage, self.gateway_id: epoch},  # true once the state is on disk
+            applied_steps={
+                cid: {name: n for name, n in zip(self.names, counts) if n}
+                for cid, counts in self.applied_steps.items()
+            },
+            ema=ema,
+        )
+
+    def checkpoint(self) -> None:
+        """Save the state; once it is on disk, tell every connected edge (the commit)."""
+        assert self.checkpoints is not None
+        state = self.state()
+        self.checkpoints.save(state)
+        self.durable_epoch = state.epoch
+        self.lineage[self.gateway_id] = state.epoch
+        commit = Commit(durable_epoch=state.epoch, gateway_id=self.gateway_id)
         for route in list(self.routes):
             self._reply(route, commit)
 
-    def resume(
-        self,
-        version: int,
-        round_number: int,
-        clients: dict[str, ClientState],
-        epoch: int = 0,
-        lineage: dict[str, int] | None = None,
-        applied_steps: dict[str, list[int]] | None = None,
-    ) -> None:
-        """State read back from a checkpoint (cloud/durability.py); edges re-route with their next hello."""
-        self.durable_epoch = epoch
-        self.lineage = dict(lineage or {})
-        self.applied_steps = dict(applied_steps or {})
-        self.version = version
-        self.open = OpenRound(number=round_number, layers=len(self.params))
-        self.clients = clients
+    def restore(self) -> Path | None:
+        """Resume from the newest checkpoint that fits this model; None if there is none."""
+        if self.checkpoints is None:
+            return None
+        return self.checkpoints.restore(self.manifest.digest, self.adopt)
+
+    def adopt(self, state: GatewayState) -> None:
+        """Resume from `state` (a checkpoint's); edges re-route with their next hello.  Raises
+        CheckpointError naming what does not fit this model, before anything is changed."""
+        if state.manifest != self.manifest.digest:
+            raise CheckpointError("written for another model (manifest digest differs)")
+        for name, param in zip(self.names, self.params):
+            saved = state.model.get(name)
+            if saved is None or saved.shape != param.shape or saved.dtype != param.dtype:
+                raise CheckpointError(f"model tensor {name} is missing or has another shape or dtype")
+        if state.ema is not None and self.ema is not None:
+            for name, param in zip(self.names, self.params):
+                t = state.ema[0].get(name)
+                if t is None or t.shape != param.shape or t.dtype != accumulator_dtype(param.dtype):
+                    raise CheckpointError(f"averaged tensor {name} is missing or has another shape or dtype")
+        unknown = {n for by_layer in state.applied_steps.values() for n in by_layer} - set(self.layer_index)
+        if unknown:
+            raise CheckpointError(f"applied steps name layers this model lacks: {sorted(unknown)[:3]}")
+        meta = state.optimizer_meta
+        saved_optimizer = meta.get("optimizer") if isinstance(meta, dict) else None
+        if self.optimizer is None:
+            pass  # an update policy owns the model and its optimizer (hybrid: no gateway checkpoints)
+        elif saved_optimizer is not None and saved_optimizer != type(self.optimizer).__name__:
+            # --gateway-optimizer changed between runs: what was applied and acknowledged stays (the
+            # model, the versions, every edge's verdicts); only the optimizer's moments start afresh.
+            log.warning(
+                "the checkpoint holds %s state and the gateway's optimizer is now %s: the model, "
+                "versions and verdicts are restored, the optimizer starts fresh",
+                saved_optimizer,
+                type(self.optimizer).__name__,
+            )
+        else:
+            load_optimizer_state(self.optimizer, state.optimizer_tensors, state.optimizer_meta)
+        with torch.no_grad():
+            for name, param in zip(self.names, self.params):
+                param.copy_(state.model[name])
+        if self.ema is not None:
+            saved, count = state.ema if state.ema is not None else ({}, 0)
+            self.ema.load(saved, count)
+        self.durable_epoch = state.epoch
+        self.lineage = dict(state.lineage)
+        self.applied_steps = {}
+        for cid, by_layer in state.applied_steps.items():
+            counts = self.applied_steps[cid] = [0] * len(self.names)
+            for name, n in by_layer.items():
+                counts[self.layer_index[name]] = n
+        self.version = state.version
+        self.open = OpenRound(number=state.round, layers=len(self.params))
+        self.clients = state.clients
         self.routes = {}
         self._served.clear()
-        self._published = self._serve(version)
-        self.metrics.version.set(value=version)
-        self.metrics.clients.set(value=len(clients))
+        self._published = self._serve(state.version)
+        self.metrics.version.set(value=state.version)
+        self.metrics.clients.set(value=len(state.clients))
 
     @property
     def served_version(self) -> int:

@@ -302,7 +302,7 @@ def run(args: argparse.Namespace, config: CloudConfig) -> int:
             "loses them (and the model); edges are not told anything is durable"
         )
     gateway = build_gateway(config, task, on_round, admission, checkpoints)
-    resumed = checkpoints.restore(gateway) if checkpoints is not None else None
+    resumed = gateway.restore()
     try:
         metrics = start_metrics(
             config.metrics_bind, gateway.metrics.registry, extra=gateway_gauges(gateway, checkpoints)

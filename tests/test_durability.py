@@ -19,7 +19,7 @@ from fleet import Proc, edge, free_port, on_pump, pumped
 from torch import nn
 
 from cloud.aggregation import DeadlineQuorum
-from cloud.durability import KIND, GatewayCheckpoints, export_state
+from cloud.durability import KIND, GatewayCheckpoints, encode
 from cloud.gateway import Gateway, GatewayOptions
 from common.checkpoint import CheckpointError, read_tensors
 from common.cli import main as cli_main
@@ -50,7 +50,7 @@ def make_gateway(directory: Path, endpoint: str, every_rounds: int = 1000, idle_
         rounds=DeadlineQuorum(deadline_s=60.0, quorum=1),
         checkpoints=GatewayCheckpoints(str(directory), every_rounds=every_rounds, idle_s=idle_s),
     )
-    gw.checkpoints.restore(gw)  # type: ignore[union-attr]
+    gw.restore()
     return gw
 
 
@@ -123,7 +123,7 @@ def test_acknowledged_but_not_durable_pushes_are_sent_again_after_a_gateway_cras
         with pumped(first):
             push(session, 1.0)
             wait_for(lambda: first.version == 1, "round 1")
-            on_pump(first, lambda: first.checkpoints.save(first))  # type: ignore[union-attr]  # a commit goes out
+            on_pump(first, first.checkpoint)  # a commit goes out
             wait_for(lambda: session.cache.units[0].durable == 1, "the commit of version 1")
             push(session, 10.0)
             wait_for(lambda: first.version == 2 and session.cache.held_steps() == 1, "an ack of push 2")
@@ -133,7 +133,7 @@ def test_acknowledged_but_not_durable_pushes_are_sent_again_after_a_gateway_cras
         assert second.version == 1 and second.lineage == {first.gateway_id: 1}
         with pumped(second):
             wait_for(lambda: second.version == 2, "the lost push, sent again and applied")
-            on_pump(second, lambda: second.checkpoints.save(second))  # type: ignore[union-attr]
+            on_pump(second, second.checkpoint)
             wait_for(lambda: session.cache.units[0].durable == 2, "the commit of version 2")
             assert session.cache.held_steps() == 0 and session.cache.undelivered() == 0
             assert applied(second) == [2, 2]  # once each, over the checkpointed history
@@ -153,7 +153,7 @@ def test_a_checkpoint_whose_commit_never_arrived_is_not_applied_twice(tmp_path: 
             push(session, 1.0)
             wait_for(lambda: first.version == 1 and session.cache.held_steps() == 1, "an ack of push 1")
             # Written, then the gateway dies before it can say so.
-            tensors, meta = export_state(first)
+            tensors, meta = encode(first.state())
             first.checkpoints.store.save(first.version, tensors, meta)  # type: ignore[union-attr]
         second = make_gateway(tmp_path, endpoint)
         assert second.version == 1

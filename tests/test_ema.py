@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cloud.config import CloudConfig, GatewaySettings
-from cloud.durability import GatewayCheckpoints, import_state
+from cloud.durability import GatewayCheckpoints, decode
 from cloud.ema import ModelEma
 from cloud.gateway import Gateway, GatewayOptions
 from cloud.server_optimizers import server_optimizer
@@ -79,7 +79,7 @@ def restored(tmp_path: Path) -> Gateway:
         checkpoints=GatewayCheckpoints(str(tmp_path / "ckpt"), every_rounds=1, keep=3),
         ema=ModelEma(window=5),
     )
-    assert gw.checkpoints is not None and gw.checkpoints.restore(gw) is not None
+    assert gw.checkpoints is not None and gw.restore() is not None
     return gw
 
 
@@ -119,7 +119,7 @@ def test_the_average_is_saved_and_restored_with_the_gateway(tmp_path: Path) -> N
         tensors, meta = read_tensors(newest, "elasticfed-gateway")
         meta["ema_count"] = 0
         with pytest.raises(CheckpointError, match="ema_count must be a whole number >= 1"):
-            import_state(tampered, tensors, meta, newest)
+            tampered.adopt(decode(tensors, meta))
         for p in tampered.params:
             assert not p.detach().any()  # nothing was loaded from the refused file
     finally:

@@ -51,7 +51,7 @@ def test_a_restarted_gateway_resumes_bit_exactly_and_remembers_what_it_applied(t
     first.close()
 
     second, checkpoints = gateway_with(tmp_path)
-    assert checkpoints.restore(second) is not None
+    assert second.restore() is not None
     assert second.version == first.version == 2 and second.open.number == 3
     assert all(torch.equal(saved[n], p) for n, p in params(second).items())
     second.bind()
@@ -102,7 +102,7 @@ def test_a_torn_or_foreign_newest_checkpoint_is_skipped_for_the_previous_good_on
         )
 
     second, checkpoints = gateway_with(tmp_path)
-    resumed_from = checkpoints.restore(second)
+    resumed_from = second.restore()
     assert resumed_from is not None and resumed_from != newest and second.version == 1
     assert all(torch.equal(good[n], p) for n, p in params(second).items())
     assert [p for p, _ in checkpoints.skipped] == [newest]

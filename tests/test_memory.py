@@ -45,7 +45,7 @@ def probe_gateway(directory: Path, endpoint: str) -> Gateway:
         checkpoints=GatewayCheckpoints(str(directory), every_rounds=1),
     )
     assert gw.checkpoints is not None
-    gw.checkpoints.restore(gw)
+    gw.restore()
     return gw
 
 

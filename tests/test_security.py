@@ -347,7 +347,7 @@ def test_a_restored_gateway_wants_a_hello_before_a_push_even_from_a_known_key(tm
             checkpoints=GatewayCheckpoints(str(tmp_path / "checkpoints"), every_rounds=1),
         )
         assert gw.checkpoints is not None
-        gw.checkpoints.restore(gw)
+        gw.restore()
         return gw
 
     manifest = Manifest.from_parameters(small_model().named_parameters())

@@ -236,7 +236,7 @@ def test_a_diverging_gateway_stops_before_serving_or_saving_the_broken_model(tmp
         GatewayOptions(bind="tcp://127.0.0.1:0"),
         checkpoints=GatewayCheckpoints(tmp_path / "ckpt", every_rounds=1, keep=3),
     )
-    assert again.checkpoints is not None and again.checkpoints.restore(again) is not None
+    assert again.checkpoints is not None and again.restore() is not None
     assert again.version == 1
     for n, p in zip(again.names, again.params):
         torch.testing.assert_close(p.detach(), good[n], rtol=0, atol=0)
@@ -358,7 +358,7 @@ def test_a_gateway_restarted_with_another_optimizer_keeps_what_was_applied(tmp_p
         checkpoints=GatewayCheckpoints(tmp_path / "ckpt", every_rounds=1, keep=3),
     )
     try:
-        assert again.checkpoints is not None and again.checkpoints.restore(again) is not None
+        assert again.checkpoints is not None and again.restore() is not None
         assert again.checkpoints.skipped == []
         assert again.version == 2 and set(again.clients) == {"a", "b"}
         for n, p in zip(again.names, again.params):
