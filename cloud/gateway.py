@@ -20,9 +20,10 @@ first, each refusal counted by reason and logged naming the device: who is
 talking (the enrolled CURVE key behind the message, cloud/admission.py), its
 message and byte rate, then the decoder's caps (sized from the model's
 manifest, before anything is allocated), structure, shapes, dtypes, checksums
-and NaN/Inf, then replay and window checks per device, then the gradient-norm
-bound (clip or reject).  A refused message changes neither the model nor any
-other device's state.
+and NaN/Inf, then a push's checks (cloud/verdicts.py: replay, window, staleness,
+finiteness once expanded, the gradient-norm bound), each deciding a verdict that
+`_answer` alone records, counts and acknowledges.  A refused message changes
+neither the model nor any other device's state.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import torch
 import zmq
 from torch import nn
 
+from cloud import verdicts
 from cloud.admission import CurveAdmission
 from cloud.aggregation import (
     Aggregation,
@@ -53,13 +55,13 @@ from cloud.aggregation import (
     RoundPolicy,
     Weighting,
     contribution,
-    entries,
 )
 from cloud.clients import ClientState
 from cloud.delivery import DeliveryPace
 from cloud.durability import GatewayCheckpoints, GatewayState
 from cloud.ema import ModelEma, accumulator_dtype
 from cloud.publication import PublicModel
+from cloud.verdicts import NORM_POLICIES, Verdict
 from cloud.watch import LossWatch
 from common.checkpoint import CheckpointError, load_optimizer_state, optimizer_state_tensors
 from common.hooks import trainable_parameters
@@ -85,7 +87,6 @@ from protocol import (
     Reason,
     Reject,
     Welcome,
-    all_finite,
     apply_limits,
     blob,
     decode,
@@ -99,14 +100,6 @@ log = logging.getLogger("elasticfed.gateway")
 # Verdicts repeated in every ack and heartbeat reply: an edge has at most `credit`
 # pushes outstanding, so this covers them all unless it falls far behind.
 VERDICTS_PER_ANSWER = 64
-
-
-NORM_POLICIES = ("clip", "reject")
-
-# Staleness admission on slow links (Gateway._avoidable_staleness): an edge that asked for a model
-# chunk within this long is downloading; and nothing older than this many times max_staleness.
-FETCH_GRACE_S = 30.0
-HARD_STALENESS_FACTOR = 4
 
 
 class GatewayDiverged(RuntimeError):
@@ -706,76 +699,56 @@ class Gateway:
         return True
 
     def _on_push(self, route: bytes, state: ClientState, msg: Push, now: float) -> None:
-        cid = state.client_id
-        self.metrics.pushes.inc(cid)
+        """Judge a push by the checks in order (cloud/verdicts.py), the first verdict wins; a push
+        that passes them all enters the open round.  Then record, count and answer, in one place."""
+        self.metrics.pushes.inc(state.client_id)
         if msg.resolved_below > state.floor:
             state.raise_floor(msg.resolved_below)
-        if msg.seq < state.floor or msg.seq in state.verdicts:
-            self.metrics.duplicates.inc(cid)
-            # Below the floor the verdict is forgotten: the push was judged in this model's history,
-            # at the latest in the checkpoint of the newest epoch forgotten (or the restored one).
-            forgotten = state.forgotten_epoch or self.durable_epoch
-            code, attempt, epoch = state.verdicts.get(msg.seq, ("", 0, forgotten))
-            self._ack(
-                route,
-                msg.seq,
-                not code,
-                code or Reason.DUPLICATE,
-                "answered before; not applied again",
-                count=False,
-                attempt=attempt,
-                epoch=epoch,
-            )
-            return
-        if msg.seq >= state.floor + self.options.window or len(state.verdicts) >= self.options.window:
-            self._ack(
-                route, msg.seq, False, Reason.WINDOW, f"seq {msg.seq} is beyond the window from {state.floor}"
-            )
-            return
+        verdict = verdicts.repeated(state, msg, self.durable_epoch) or verdicts.beyond_window(
+            state, msg, self.options.window
+        )
+        if verdict is None:
+            verdict = self._admit(state, msg, now)
+        self._answer(route, state, msg, verdict, now)
+
+    def _admit(self, state: ClientState, msg: Push, now: float) -> Verdict:
+        """Staleness, then the payload's bounds; a push that passes enters the open round."""
         staleness = max(0, self.served_version - msg.base_version)
-        self.metrics.staleness.observe(cid, value=staleness)
-        if not self.weighting.admit(self._avoidable_staleness(state, msg.base_version, now)):
-            for layer in msg.layers:
-                self.metrics.dropped_stale.inc(cid, layer.name, by=layer.count)
-            state.record(msg.seq, Reason.STALE.value, msg.attempt)
-            self._ack(
-                route, msg.seq, False, Reason.STALE, f"{staleness} versions behind", attempt=msg.attempt
-            )
-            return
+        self.metrics.staleness.observe(state.client_id, value=staleness)
+        avoidable = verdicts.avoidable_staleness(
+            state, msg.base_version, self.served_version, self.weighting, now
+        )
+        verdict = verdicts.too_stale(msg, staleness, avoidable, self.weighting)
+        if verdict is not None:
+            return verdict
         if not msg.layers:  # nothing to add; only the verdict (and the floor) matter
-            state.record(msg.seq, "", msg.attempt, self._epoch())
-            self._ack(route, msg.seq, True, None, "", attempt=msg.attempt, epoch=self._epoch())
-            return
-        scale = self.weighting.scale(staleness, msg.lr or None)
+            return Verdict.applied(msg.attempt, self._epoch())
         # A sparse push stays sparse (its k entries, not the layer's n): checks, the audit and the
         # accumulators take either (cloud/aggregation.py).
         parts = [contribution(layer.payload) for layer in msg.layers]
-        for layer, tensor in zip(msg.layers, parts):
-            # The codec checked the frames; int8 codes times their scale or a low-rank product can
-            # still overflow (fp16 above 65504) once expanded.
-            if not isinstance(layer.payload, Dense) and not all_finite(entries(tensor)):
-                state.record(msg.seq, Reason.NONFINITE.value, msg.attempt)
-                detail = f"layer {layer.name}: NaN or Inf once expanded from {type(layer.payload).__name__}"
-                self._refusals.warn(cid, Reason.NONFINITE.value, detail, now)
-                self._ack(route, msg.seq, False, Reason.NONFINITE, detail, attempt=msg.attempt)
-                return
-        factors = [1.0] * len(parts)
-        bound = self.options.max_grad_norm
-        if bound > 0:
-            for j, (layer, tensor) in enumerate(zip(msg.layers, parts)):
-                wide = torch.float64 if tensor.dtype == torch.float64 else torch.float32
-                norm = float(torch.linalg.vector_norm(entries(tensor), dtype=wide))  # unique indices
-                norm /= self.weighting.share(layer.count)
-                if norm <= bound:
-                    continue
-                if self.options.norm_policy == "reject":
-                    state.record(msg.seq, Reason.NORM.value, msg.attempt)
-                    detail = f"layer {layer.name}: gradient norm {norm:.4g} is over the bound {bound:.4g}"
-                    self._refusals.warn(cid, Reason.NORM.value, detail, now)
-                    self._ack(route, msg.seq, False, Reason.NORM, detail, attempt=msg.attempt)
-                    return
-                factors[j] = bound / norm
-                self.metrics.clipped.inc(cid, layer.name)
+        verdict = verdicts.not_finite(msg, parts)
+        if verdict is not None:
+            return verdict
+        factors = verdicts.norm_factors(
+            msg, parts, self.options.max_grad_norm, self.options.norm_policy, self.weighting
+        )
+        if isinstance(factors, Verdict):
+            return factors
+        self._add(state, msg, parts, factors, staleness, now)
+        return Verdict.applied(msg.attempt, self._epoch())
+
+    def _add(
+        self,
+        state: ClientState,
+        msg: Push,
+        parts: Sequence[torch.Tensor],
+        factors: Sequence[float],
+        staleness: int,
+        now: float,
+    ) -> None:
+        """An admitted push's layers into the open round (and the mass audit), weighed by staleness."""
+        cid = state.client_id
+        scale = self.weighting.scale(staleness, msg.lr or None)
         indices = []
         count = 0
         applied = self.applied_steps.get(cid)
@@ -784,6 +757,8 @@ class Gateway:
         mass = self._audited_mass(cid) if self.options.audit_mass else None
         for layer, tensor, factor in zip(msg.layers, parts, factors):
             i = self.layer_index[layer.name]  # the codec checked the name against the manifest
+            if factor != 1.0:
+                self.metrics.clipped.inc(cid, layer.name)
             if mass is not None:
                 if tensor.is_sparse:
                     mass[i].index_add_(0, tensor.indices()[0], tensor.values().double())
@@ -797,9 +772,29 @@ class Gateway:
             indices.append(i)
             count = max(count, layer.count)
         self.open.record(cid, indices, count, staleness, now, self.delivery.delivery_s(cid), state.fetch_s)
-        epoch = self._epoch()
-        state.record(msg.seq, "", msg.attempt, epoch)
-        self._ack(route, msg.seq, True, None, "", attempt=msg.attempt, epoch=epoch)
+
+    def _answer(self, route: bytes, state: ClientState, msg: Push, verdict: Verdict, now: float) -> None:
+        """Carry out a verdict: remember it under the seq, count and log it, acknowledge it."""
+        cid = state.client_id
+        if verdict.repeat:
+            self.metrics.duplicates.inc(cid)
+        if verdict.recorded:
+            state.record(msg.seq, "" if verdict.accepted else verdict.code, verdict.attempt, verdict.epoch)
+        if verdict.code == Reason.STALE.value and not verdict.repeat:
+            for layer in msg.layers:
+                self.metrics.dropped_stale.inc(cid, layer.name, by=layer.count)
+        if verdict.logged:
+            self._refusals.warn(cid, verdict.code, verdict.detail, now)
+        self._ack(
+            route,
+            msg.seq,
+            verdict.accepted,
+            verdict.code or None,
+            verdict.detail,
+            count=not verdict.repeat,
+            attempt=verdict.attempt,
+            epoch=verdict.epoch,
+        )
 
     def _audited_mass(self, cid: str) -> list[torch.Tensor]:
         """`cid`'s float64 sums of applied pushes, made once: a default built on every call (setdefault's)
@@ -822,24 +817,6 @@ class Gateway:
         names = msg.names or self.names
         layers = tuple(LayerTensor(n, Dense(params[n])) for n in names)
         self._reply(route, Model(version=served.version, full=not msg.names, layers=layers, mass=served.mass))
-
-    def _avoidable_staleness(self, state: ClientState, base_version: int, now: float) -> int:
-        """Versions behind that the edge could have avoided: what admission (max_staleness) judges.
-
-        An edge part-way through downloading version v could not have trained from anything
-        newer: versions published since it started are the link's doing, not the edge's, and
-        dropping its work for them would stall a fleet whose downloads take longer than
-        `max_staleness` rounds.  Those pushes are still weighed by their whole staleness.  An
-        edge that stopped downloading (FETCH_GRACE_S) is judged against the newest version, and
-        nothing is admitted beyond HARD_STALENESS_FACTOR x max_staleness whatever the link.
-        """
-        newest = self.served_version
-        whole = max(0, newest - base_version)
-        if now - state.fetched_at > FETCH_GRACE_S or state.fetching >= newest:
-            return whole
-        if not self.weighting.admit(whole // HARD_STALENESS_FACTOR):
-            return whole
-        return max(0, state.fetching - base_version)
 
     def _on_model_fetch(self, route: bytes, state: ClientState, msg: ModelFetch, now: float) -> None:
         """A slice of a served version (the newest if that one is gone); the edge paces these."""
