@@ -201,7 +201,7 @@ class GradientCache:
         unit = self.units[u]
         on_device = next((g for g in grads if g is not None and g.device.type != "cpu"), None)
         with self.lock:
-            self._settle(unit)
+            self.settle(unit)
             if unit.pending_count == 0:
                 unit.pending_base = base_version
             if on_device is not None:
@@ -227,7 +227,7 @@ class GradientCache:
 
     def _stage(self, unit: UnitState, grads: Sequence[torch.Tensor | None], device: torch.device) -> None:
         # Asynchronous device-to-host copy into pinned memory; added into pending by the next
-        # reader (`_settle`), so backward never waits for the copy.
+        # reader (`settle`), so backward never waits for the copy.
         if unit.staging is None:
             unit.staging = torch.zeros(unit.numel, dtype=unit.dtype, pin_memory=True)
         for view, grad in zip(unit.views(unit.staging), grads):
@@ -241,7 +241,9 @@ class GradientCache:
         unit.staged_first = unit.pending_count == 0
 
     @staticmethod
-    def _settle(unit: UnitState) -> None:
+    def settle(unit: UnitState) -> None:
+        """Fold a unit's staged sum (copied off the device, see `add`) into its pending sum; under
+        `lock`.  Whoever reads `pending` settles first: the I/O thread, a save."""
         if unit.staged:
             unit.staged_event.synchronize()
             if unit.staged_first:
@@ -255,7 +257,7 @@ class GradientCache:
         """Turn unit `u`'s pending sum into its flight, if it has one and no flight is unanswered."""
         unit = self.units[u]
         with self.lock:
-            self._settle(unit)
+            self.settle(unit)
             if unit.flight is not None or unit.pending_count == 0 or len(unit.held) >= MAX_HELD:
                 return None
             fresh = unit.spare if unit.spare is not None else self._buffer(unit.numel, unit.dtype)
@@ -393,7 +395,7 @@ class GradientCache:
                     if held.instance != instance or held.epoch <= durable_epoch:
                         keep.append(held)
                         continue
-                    self._settle(unit)
+                    self.settle(unit)
                     if unit.pending_count == 0:
                         unit.pending.copy_(held.buffer)
                         unit.pending_base = held.base_version
@@ -478,7 +480,7 @@ class GradientCache:
         if unit.produced_mass is None or unit.dropped_mass is None:
             raise RuntimeError("the mass audit needs GradientCache(audit=True)")
         with self.lock:
-            self._settle(unit)
+            self.settle(unit)
             zero = torch.zeros(unit.numel, dtype=torch.float64)
             return {
                 "produced": unit.produced_mass.clone(),

@@ -31,19 +31,17 @@ import hashlib
 import logging
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from common.checkpoint import CheckpointError, CheckpointStore, read_tensors, write_tensors
 from edge.cache import MAX_HELD, Flight, GradientCache, Held
-from protocol import LayerGradient, ProtocolError, Push, decode, encode, limits_for
+from protocol import LayerGradient, Manifest, ProtocolError, Push, decode, encode, limits_for
 from protocol.messages import MAX_RATE, is_rate
 from protocol.payload import payload_bytes
-
-if TYPE_CHECKING:
-    from edge.session import EdgeSession
 
 log = logging.getLogger("elasticfed.edge")
 
@@ -56,8 +54,19 @@ def _prefix(client_id: str) -> str:
     return f"edge-{readable}-{hashlib.sha256(client_id.encode()).hexdigest()[:8]}"
 
 
+@dataclass(frozen=True)
+class Loaded:
+    """What a loaded state gives back to its session besides the cache (which it fills in)."""
+
+    path: Path
+    seq: int  # the session's next seq
+    flights: dict[int, int]  # seq -> unit: the reloaded flights, weak and unsent, by seq
+    wanted: set[int]  # units whose saved pending sums go out once a gateway welcomes the session
+
+
 class EdgeState:
-    """Where one agent's cache survives restarts."""
+    """Where one agent's cache survives restarts.  It reads and fills a GradientCache; the session
+    hands it the cache, the model's manifest and its next seq, and takes back `Loaded`."""
 
     def __init__(self, directory: str, client_id: str, keep: int = 2) -> None:
         self.client_id = client_id
@@ -67,20 +76,21 @@ class EdgeState:
         self.loaded: Path | None = None
 
     # ------------------------------------------------------------------ saving
-    def save(self, session: EdgeSession) -> Path:
-        """Save the session's state (from its I/O thread, or after it stopped)."""
-        tensors, meta = export_state(session)
+    def save(self, cache: GradientCache, manifest: Manifest, seq: int) -> Path:
+        """Save the cache and the next seq (from the session's I/O thread, or after it stopped)."""
+        tensors, meta = export_state(cache, self.client_id, manifest, seq)
         self.saves += 1
         return self.store.save(self.saves, tensors, meta)
 
     # ----------------------------------------------------------------- loading
-    def load(self, session: EdgeSession) -> Path | None:
-        """Load the newest whole state of this device and model into a new session; None if none."""
+    def load(self, cache: GradientCache, manifest: Manifest, now: float) -> Loaded | None:
+        """Load the newest whole state of this device and model into a new session's cache; None
+        if there is none (the cache is then as it was)."""
         self.skipped = []
         for path in self.store.entries():
             try:
                 tensors, meta = read_tensors(path, KIND, max_bytes=self.store.max_bytes)
-                import_state(session, tensors, meta, path)
+                loaded = import_state(cache, self.client_id, manifest, tensors, meta, path, now)
             except (CheckpointError, ValueError, KeyError, TypeError, IndexError) as exc:
                 reason = (
                     str(exc) if isinstance(exc, CheckpointError) else f"{path}: {type(exc).__name__}: {exc}"
@@ -95,27 +105,28 @@ class EdgeState:
             number = int(path.name.rsplit("-", 1)[1].split(".")[0])
             self.saves = number
             self.loaded = path
-            cache = session.cache
             log.info(
                 "loaded edge state %s: %d step-gradients not yet answered, %d held until durable",
                 path,
                 cache.undelivered(),
                 cache.held_steps(),
             )
-            return path
+            return loaded
         if self.skipped:
             log.warning("no usable saved edge state: starting with an empty cache")
         return None
 
 
-def export_state(session: EdgeSession) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Tensors and JSON of the session's cache (the session takes what it can into flights first)."""
-    cache = session.cache
+def export_state(
+    cache: GradientCache, client_id: str, manifest: Manifest, seq: int
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Tensors and JSON of a device's cache and next seq (its session takes what it can into
+    flights first)."""
     tensors: dict[str, torch.Tensor] = {}
     units = []
     with cache.lock:
         for unit in cache.units:
-            cache._settle(unit)
+            cache.settle(unit)
             entry: dict[str, Any] = {
                 "names": list(unit.names),
                 "pending_count": unit.pending_count,
@@ -160,9 +171,9 @@ def export_state(session: EdgeSession) -> tuple[dict[str, torch.Tensor], dict[st
                 )
             units.append(entry)
     meta = {
-        "client_id": session.options.client_id,
-        "manifest": session.manifest.digest,
-        "seq": session.seq,
+        "client_id": client_id,
+        "manifest": manifest.digest,
+        "seq": seq,
         "lr": cache.lr,
         "units": units,
     }
@@ -178,7 +189,7 @@ def _flight_frames(names: tuple[str, ...], flight: Flight) -> list[bytes]:
 
 
 def _load_flight_payloads(
-    session: EdgeSession, unit: Any, wire: torch.Tensor | None, lengths: Any, where: str
+    manifest: Manifest, unit: Any, wire: torch.Tensor | None, lengths: Any, where: str
 ) -> tuple[tuple[Any, ...], torch.Tensor]:
     """Decode a saved compressed flight (as strictly as the gateway would) into payloads and their sum."""
     if wire is None or wire.dtype != torch.uint8 or wire.dim() != 1:
@@ -195,7 +206,7 @@ def _load_flight_payloads(
         frames.append(raw[at : at + n])
         at += n
     try:
-        msg = decode(frames, limits=limits_for(session.manifest), manifest=session.manifest)
+        msg = decode(frames, limits=limits_for(manifest), manifest=manifest)
     except ProtocolError as exc:
         raise CheckpointError(f"{where}: saved compressed flight does not decode: {exc}") from None
     if not isinstance(msg, Push) or [layer.name for layer in msg.layers] != list(unit.names):
@@ -213,17 +224,22 @@ def _count(value: Any, where: str) -> int:
 
 
 def import_state(
-    session: EdgeSession, tensors: dict[str, torch.Tensor], meta: dict[str, Any], path: Path
-) -> None:
-    """Put saved state into a session that has not started; raises CheckpointError naming what does not fit.
-
-    Everything is checked before anything is changed, so a refused file leaves the
-    session as it was.
+    cache: GradientCache,
+    client_id: str,
+    manifest: Manifest,
+    tensors: dict[str, torch.Tensor],
+    meta: dict[str, Any],
+    path: Path,
+    now: float,
+) -> Loaded:
+    """Put saved state into the cache of a session that has not started; what the session takes
+    back (its seq, flights and wanted units) is returned.  Raises CheckpointError naming what does
+    not fit; everything is checked before anything is changed, so a refused file leaves the cache
+    as it was.
     """
-    cache = session.cache
-    if meta.get("client_id") != session.options.client_id:
+    if meta.get("client_id") != client_id:
         raise CheckpointError(f"{path}: saved by device {meta.get('client_id')!r}, not this one")
-    if meta.get("manifest") != session.manifest.digest:
+    if meta.get("manifest") != manifest.digest:
         raise CheckpointError(f"{path}: saved for another model (manifest digest differs)")
     units = meta["units"]
     if type(units) is not list or len(units) != len(cache.units):
@@ -266,7 +282,7 @@ def import_state(
             base = _count(f["base"], f"{where}: flight base")
             if "frames" in f:
                 wire = tensors.get(f"{unit.index}.flight_wire")
-                payloads, buffer = _load_flight_payloads(session, unit, wire, f["frames"], where)
+                payloads, buffer = _load_flight_payloads(manifest, unit, wire, f["frames"], where)
             else:
                 payloads, buffer = None, tensor("flight")
             plan["flight"] = (fseq, buffer, f["count"], base, payloads)
@@ -297,7 +313,6 @@ def import_state(
         raise CheckpointError(f"{path}: two units share a seq")
 
     # Everything checked: apply.
-    now = session.clock()
     flights: dict[int, int] = {}
     with cache.lock:
         for unit, plan in zip(cache.units, plans):
@@ -332,12 +347,11 @@ def import_state(
                     wire_bytes=sum(payload_bytes(p) for p in payloads) if payloads else 0,
                 )
                 flights[fseq] = unit.index
-    session.seq = seq
     if lr is not None:
         cache.lr = float(lr)
-    session._flights = dict(sorted(flights.items()))
-    # Saved pending sums go out once a gateway welcomes us, without waiting for new steps.
-    session._wanted.update(p.index for p, plan in zip(cache.units, plans) if plan["pending_count"])
+    # Saved pending sums go out once a gateway welcomes the session, without waiting for new steps.
+    wanted = {unit.index for unit, plan in zip(cache.units, plans) if plan["pending_count"]}
+    return Loaded(path, seq, dict(sorted(flights.items())), wanted)
 
 
 MASS_KIND = "elasticfed-edge-mass-audit"

@@ -356,7 +356,11 @@ class EdgeSession:
         self._saved_floor: int | None = None
         if options.state_dir:
             self.state = EdgeState(options.state_dir, options.client_id)
-            if self.state.load(self) is not None:
+            loaded = self.state.load(self.cache, self.manifest, self.clock())
+            if loaded is not None:
+                self.seq = loaded.seq
+                self._flights = loaded.flights
+                self._wanted.update(loaded.wanted)
                 self._persisted = self._signature()
             self._saved_floor = self._oldest_unanswered()
 
@@ -1322,7 +1326,7 @@ class EdgeSession:
         self._saved_floor = None  # what the save about to be written could re-send, not the last one
         self._take_for_save(now)
         try:
-            self.state.save(self)
+            self.state.save(self.cache, self.manifest, self.seq)
         except OSError as exc:  # a full or read-only disk must not stop training; say so
             self._saved_floor = floor
             self._save_retry_at = now + 0.5

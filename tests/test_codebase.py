@@ -99,6 +99,86 @@ def test_layering(package: str, forbidden: set[str]) -> None:
     assert not bad, bad
 
 
+def _module_graph() -> dict[str, set[str]]:
+    """Each product module -> the product modules it imports (type-checking and function-local
+    imports included: a circle through them is still a circle a reader must hold in mind)."""
+    modules = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            modules[name.removesuffix(".__init__")] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                deps |= {alias.name for alias in node.names if alias.name in modules}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                if node.module in modules:
+                    deps.add(node.module)
+                deps |= {
+                    f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in modules
+                }
+        graph[name] = deps - {name}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_the_circle_finder_finds_a_circle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert _circles(graph) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circle_among_the_product_modules() -> None:
+    """A module that needs another's object back (a checkpoint writer calling its owner) takes a
+    value instead: cloud/durability.py's GatewayState, edge/persistence.py's Loaded."""
+    graph = _module_graph()
+    assert len(graph) > 50 and "edge.session" in graph["edge.run"] | graph["edge.agent"]
+    assert _circles(graph) == []
+
+
 def test_no_pickle_in_product_code() -> None:
     bad = sorted(
         (p, n) for pkg in PACKAGES for p, n in _imports(pkg) if n in ("pickle", "cloudpickle", "dill")

@@ -253,7 +253,7 @@ def test_a_torn_or_foreign_edge_state_is_refused_and_the_previous_one_loaded(
         )
         stranger = EdgeSession(options, Manifest.from_parameters(other.named_parameters()), cache)
         stranger.cache.add(0, [torch.ones(p.shape) for _, p in named], 0)
-        tensors, meta = export_edge_state(stranger)
+        tensors, meta = export_edge_state(stranger.cache, options.client_id, stranger.manifest, stranger.seq)
         store = EdgeState(str(tmp_path), CLIENT).store
         store.save(int(newest.name.split("-")[-1].split(".")[0]), tensors, meta)
         store.close()
