@@ -57,10 +57,11 @@ from cloud.aggregation import (
     contribution,
 )
 from cloud.clients import ClientState
+from cloud.config import GatewaySettings
 from cloud.delivery import DeliveryPace
 from cloud.durability import GatewayCheckpoints, GatewayState
 from cloud.ema import ModelEma, accumulator_dtype
-from cloud.publication import PublicModel
+from cloud.publication import PublicModel, downlink_ratio
 from cloud.verdicts import NORM_POLICIES, Verdict
 from cloud.watch import LossWatch
 from common.checkpoint import CheckpointError, load_optimizer_state, optimizer_state_tensors
@@ -96,6 +97,8 @@ from protocol import (
 )
 
 log = logging.getLogger("elasticfed.gateway")
+
+_DEFAULTS = GatewaySettings()  # `cloud serve`'s [gateway] defaults: GatewayOptions' too
 
 # Verdicts repeated in every ack and heartbeat reply: an edge has at most `credit`
 # pushes outstanding, so this covers them all unless it falls far behind.
@@ -168,34 +171,56 @@ class OptimizerStep:
 
 @dataclass(frozen=True)
 class GatewayOptions:
-    bind: str = "tcp://*:7878"
-    credit: int = 8  # pushes a client may have outstanding
-    window: int = 1024  # verdicts kept per client for de-duplication
+    """How the gateway serves edges.  The defaults are `[gateway]`'s (cloud/config.py): one source,
+    so a gateway built in code behaves as `cloud serve` does; `from_settings` maps a section."""
+
+    bind: str = _DEFAULTS.bind
+    credit: int = _DEFAULTS.credit  # pushes a client may have outstanding
+    window: int = _DEFAULTS.window  # verdicts kept per client for de-duplication
     limits: Limits | None = None  # None: the tightest caps for the model (protocol.limits_for)
     gateway_id: str = ""  # prefix of the instance id, which is new at every start (edges notice a restart)
-    max_clients: int = 1024  # devices remembered at once; a hello beyond is refused
+    max_clients: int = _DEFAULTS.max_clients  # devices remembered at once; a hello beyond is refused
     client_idle_s: float = 600.0  # ... unless the device silent the longest has been silent this long
     # Payload encodings accepted from edges: dense (fp32/fp16), and what uplink compression sends
     # (int8, sparse top-k).  The general top-k and low-rank forms cost an expansion per push.
     encodings: tuple[str, ...] = ("dense", "int8", "sparse")
-    rate_messages_per_s: float = 5000.0  # per device, all message types (0: no limit)
-    rate_burst: int = 5000  # messages a device may send back to back
-    rate_bytes_per_s: float = 0.0  # per device (0: no limit)
+    rate_messages_per_s: float = _DEFAULTS.rate_messages_per_s  # per device, all message types (0: none)
+    rate_burst: int = _DEFAULTS.rate_burst  # messages a device may send back to back
+    rate_bytes_per_s: float = _DEFAULTS.rate_bytes_per_s  # per device (0: no limit)
     # Bound on a layer's gradient norm per unit of weight (a step for success weighting, a
     # contribution for local progress); 0: no bound.  Over it: clip to it, or refuse the push.
-    max_grad_norm: float = 0.0
-    norm_policy: str = "clip"
+    max_grad_norm: float = _DEFAULTS.max_grad_norm
+    norm_policy: str = _DEFAULTS.norm_policy
     # Served model versions kept for chunked downloads (ModelFetch), the least recently fetched
     # forgotten first: an edge part-way through one finishes it rather than starting over.
-    model_versions_kept: int = 8
+    model_versions_kept: int = _DEFAULTS.model_versions_kept
     # Per edge and layer, a float64 sum of the decoded pushes it applied (before weighting): with
     # the edge's own sums, proves compression loses nothing (tests, benchmarks).
-    audit_mass: bool = False
+    audit_mass: bool = _DEFAULTS.audit_mass
     # Downlink: each version moves this share of the public model's entries (those furthest from
     # the gateway's model) and edges fetch patches (cloud/publication.py); 0: whole models.
-    downlink_ratio: float = 0.02
-    downlink_history: int = 32  # versions a patch may span; an edge further behind gets a snapshot
+    downlink_ratio: float = downlink_ratio(_DEFAULTS.downlink)
+    downlink_history: int = _DEFAULTS.downlink_history  # versions a patch may span; further: a snapshot
     max_chunk_bytes: int = 4 * 2**20  # the most one ModelChunk carries, whatever an edge asks
+
+    @classmethod
+    def from_settings(cls, g: GatewaySettings) -> GatewayOptions:
+        """The options a `[gateway]` section sets (the rest keep their defaults)."""
+        return cls(
+            bind=g.bind,
+            credit=g.credit,
+            window=g.window,
+            max_clients=g.max_clients,
+            rate_messages_per_s=g.rate_messages_per_s,
+            rate_burst=g.rate_burst,
+            rate_bytes_per_s=g.rate_bytes_per_s,
+            max_grad_norm=g.max_grad_norm,
+            norm_policy=g.norm_policy,
+            model_versions_kept=g.model_versions_kept,
+            audit_mass=g.audit_mass,
+            downlink_ratio=downlink_ratio(g.downlink),
+            downlink_history=g.downlink_history,
+        )
 
     def __post_init__(self) -> None:
         if self.credit < 1 or self.window < 1:

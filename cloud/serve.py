@@ -48,7 +48,6 @@ from cloud.ema import ModelEma
 from cloud.gateway import Gateway, GatewayDiverged, GatewayOptions, ModelUpdate, RoundSummary
 from cloud.hybrid import EdgeMixing, EdgeRounds
 from cloud.layerwise import DivergenceError
-from cloud.publication import downlink_ratio
 from cloud.server_optimizers import default_lr, server_optimizer
 from cloud.train import (
     EXIT_SYNC_FAILED,
@@ -140,21 +139,7 @@ def build_gateway(
     return Gateway(
         model,
         optimizer,
-        GatewayOptions(
-            bind=g.bind,
-            credit=g.credit,
-            window=g.window,
-            max_clients=g.max_clients,
-            rate_messages_per_s=g.rate_messages_per_s,
-            rate_burst=g.rate_burst,
-            rate_bytes_per_s=g.rate_bytes_per_s,
-            max_grad_norm=g.max_grad_norm,
-            norm_policy=g.norm_policy,
-            model_versions_kept=g.model_versions_kept,
-            audit_mass=g.audit_mass,
-            downlink_ratio=downlink_ratio(g.downlink),
-            downlink_history=g.downlink_history,
-        ),
+        GatewayOptions.from_settings(g),
         weighting=weighting,
         aggregation=aggregation_named(g.aggregation, g.trim),
         admission=admission,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -9,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from cloud.config import CloudConfig
+from cloud.config import CloudConfig, GatewaySettings
+from cloud.gateway import GatewayOptions
 from common import config as cfg
 from common.cli import EXIT_USAGE, main
 from edge.config import EdgeConfig
@@ -242,3 +244,28 @@ def test_edge_refuses_a_gpu_it_does_not_have(capsys: pytest.CaptureFixture[str])
     # Asked for in so many words, a GPU that is not there is an error, not a silent CPU run.
     assert main(["edge", "--train-device", "cuda", "--insecure", "--state-dir", ""]) == 2
     assert "--train-device: cuda: torch sees no CUDA device" in capsys.readouterr().err
+
+
+def test_every_gateway_setting_reaches_the_gateway_options() -> None:
+    """`cloud serve` builds its gateway from the [gateway] section; a setting the mapping forgot
+    would silently keep the built-in default whatever the config says."""
+    options = {f.name for f in dataclasses.fields(GatewayOptions)}
+    shared = [f.name for f in dataclasses.fields(GatewaySettings) if f.name in options]
+    assert len(shared) >= 12, shared
+    changed = {
+        "bind": "tcp://127.0.0.1:9999",
+        "norm_policy": "reject",
+        "downlink": "topk:0.1",
+        "audit_mass": True,
+    }
+    for name in shared:
+        if name not in changed:
+            value = getattr(GatewaySettings(), name)
+            changed[name] = value * 2 + 17  # valid for every numeric setting's bounds
+    built = GatewayOptions.from_settings(GatewaySettings(**changed))
+    for name in shared:
+        assert getattr(built, name) == changed[name], name
+    assert built.downlink_ratio == 0.1
+    # And a gateway built in code without options serves as `cloud serve` does by default.
+    default = GatewayOptions.from_settings(GatewaySettings())
+    assert GatewayOptions() == default
