@@ -37,6 +37,7 @@ from cloud.admission import CurveAdmission
 from cloud.config import CloudConfig, DemoConfig, GatewaySettings
 from cloud.gateway import GatewayDiverged, RoundSummary
 from cloud.serve import EXIT_DIVERGED, build_gateway, evaluate_averaged, totals
+from common.exits import fail
 from common.keys import KeyFolder, generate
 from common.link import Faults
 from common.task import Task, TaskError, load_task, shard
@@ -262,8 +263,7 @@ def run(
         try:  # here, not as a traceback in every edge's log
             shard(task.train_set(), 0, config.edges, config.partition, seed=config.seed)
         except (ValueError, TaskError) as exc:
-            print(f"elasticfed demo: error: --partition {config.partition}: {exc}", file=sys.stderr)
-            return 2
+            return fail("demo", f"--partition {config.partition}: {exc}")
     faults = Faults(
         loss=config.loss, burst=config.burst, delay_ms=config.delay_ms, jitter_ms=config.jitter_ms
     )

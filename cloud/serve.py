@@ -58,6 +58,7 @@ from cloud.train import (
 )
 from cloud.watch import LossWatch
 from common.checkpoint import CheckpointError
+from common.exits import EXIT_DIVERGED, EXIT_FAILED, fail
 from common.hooks import trainable_parameters
 from common.keys import KeyFileError
 from common.logs import configure_logging
@@ -67,8 +68,6 @@ from common.task import Task, TaskError, load_task, shard
 
 log = logging.getLogger("elasticfed.gateway")
 
-EXIT_GATEWAY_FAILED = 1
-EXIT_DIVERGED = 5  # the model went non-finite: not served, not saved (3: a sync failure, 4: an edge refused)
 GATEWAY_JOIN_S = 30.0  # a gateway thread told to stop answers within its poll interval
 
 
@@ -259,8 +258,7 @@ def contradictions(config: CloudConfig) -> str | None:
 def run(args: argparse.Namespace, config: CloudConfig) -> int:
     problem = contradictions(config)
     if problem is not None:
-        print(f"elasticfed cloud serve: error: {problem}", file=sys.stderr)
-        return 2
+        return fail("cloud serve", f"{problem}")
     if config.mode == "hybrid":
         return run_hybrid(config)
     configure_logging(config.log_level, config.log_format, role="gateway")
@@ -268,8 +266,7 @@ def run(args: argparse.Namespace, config: CloudConfig) -> int:
         task = load_task(config.task)
         admission = load_admission(config)
     except (TaskError, KeyFileError) as exc:
-        print(f"elasticfed cloud serve: error: {exc}", file=sys.stderr)
-        return 2
+        return fail("cloud serve", f"{exc}")
     on_round = round_logger(admission)
     g = config.gateway
     checkpoints = None
@@ -279,8 +276,7 @@ def run(args: argparse.Namespace, config: CloudConfig) -> int:
                 g.checkpoint_dir, g.checkpoint_every_rounds, g.checkpoint_keep, every_s=g.checkpoint_every_s
             )
         except (CheckpointError, OSError) as exc:
-            print(f"elasticfed cloud serve: error: --gateway-checkpoint-dir: {exc}", file=sys.stderr)
-            return 2
+            return fail("cloud serve", f"--gateway-checkpoint-dir: {exc}")
     else:
         log.warning(
             "no --gateway-checkpoint-dir: acknowledged contributions live in memory only and a crash "
@@ -293,8 +289,7 @@ def run(args: argparse.Namespace, config: CloudConfig) -> int:
             config.metrics_bind, gateway.metrics.registry, extra=gateway_gauges(gateway, checkpoints)
         )
     except OSError as exc:
-        print(f"elasticfed cloud serve: error: --metrics-bind {config.metrics_bind}: {exc}", file=sys.stderr)
-        return 2
+        return fail("cloud serve", f"--metrics-bind {config.metrics_bind}: {exc}")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -401,15 +396,13 @@ def run_hybrid(config: CloudConfig) -> int:
         task = load_task(config.task)
         backend = pick_backend(config.train.backend)
     except (TaskError, RuntimeError) as exc:
-        print(f"elasticfed cloud serve: error: {exc}", file=sys.stderr)
-        return 2
+        return fail("cloud serve", f"{exc}")
     admission = None
     if rank_name == "0":
         try:
             admission = load_admission(config)
         except KeyFileError as exc:
-            print(f"elasticfed cloud serve: error: {exc}", file=sys.stderr)
-            return 2
+            return fail("cloud serve", f"{exc}")
         if config.gateway.checkpoint_dir:
             log.warning(
                 "hybrid mode: the gateway does not checkpoint (--gateway-checkpoint-dir is for "
@@ -439,11 +432,8 @@ def run_hybrid(config: CloudConfig) -> int:
         try:
             endpoint = gateway.bind()  # here, so a taken port fails the job at once
         except Exception as exc:  # zmq.ZMQError and friends: say which endpoint
-            print(
-                f"elasticfed cloud serve: error: --gateway-bind {config.gateway.bind}: {exc}", file=sys.stderr
-            )
             dist.destroy_process_group()
-            return 2
+            return fail("cloud serve", f"--gateway-bind {config.gateway.bind}: {exc}")
         # The socket moves to the serving thread; starting a thread is a full memory barrier.
         thread = threading.Thread(
             target=_serve_edges, args=(gateway, stop_gateway), name="gateway", daemon=True
@@ -524,7 +514,7 @@ def run_hybrid(config: CloudConfig) -> int:
             signal.signal(sig, handler)
     if mixing.gateway_failed:
         print("elasticfed cloud serve: error: the gateway thread failed (logged above)", file=sys.stderr)
-        return leave(EXIT_GATEWAY_FAILED)
+        return leave(EXIT_FAILED)
     digests = gather_digests(parameters_digest(module), device)
     if gateway is not None:
         counts = mixing.counts

@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import socket
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -41,13 +40,12 @@ from common.checkpoint import (
     optimizer_state_tensors,
     read_tensors,
 )
+from common.exits import EXIT_SYNC_FAILED, fail
 from common.logs import configure_logging
 from common.progress import ProgressBar
 from common.task import Task, TaskError, load_task
 
 log = logging.getLogger("elasticfed.cloud")
-
-EXIT_SYNC_FAILED = 3
 
 
 @dataclass(frozen=True)
@@ -368,13 +366,11 @@ def run(args: argparse.Namespace, config: CloudConfig) -> int:
     try:
         task = load_task(config.task)
     except (TaskError, ImportError) as exc:
-        print(f"elasticfed cloud train: error: {exc}", file=sys.stderr)
-        return 2
+        return fail("cloud train", f"{exc}")
     try:
         backend = pick_backend(config.train.backend)
     except RuntimeError as exc:
-        print(f"elasticfed cloud train: error: {exc}", file=sys.stderr)
-        return 2
+        return fail("cloud train", f"{exc}")
     device, launched = join_process_group(backend, config.sync.timeout_s)
     if not launched:
         log.warning(
@@ -387,11 +383,9 @@ def run(args: argparse.Namespace, config: CloudConfig) -> int:
         log.error("%s", exc)
         return EXIT_SYNC_FAILED
     except CheckpointError as exc:
-        print(f"elasticfed cloud train: error: --train-checkpoint-dir: {exc}", file=sys.stderr)
-        return 2
+        return fail("cloud train", f"--train-checkpoint-dir: {exc}")
     except TaskError as exc:
-        print(f"elasticfed cloud train: error: {exc}", file=sys.stderr)
-        return 2
+        return fail("cloud train", f"{exc}")
     if dist.get_rank() == 0:
         log.info(
             "done: %s after %d epochs, %d steps, %.1f s",

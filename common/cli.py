@@ -18,9 +18,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from common import config as cfg
-
-EXIT_USAGE = 2
-EXIT_NOT_BUILT = 69  # sysexits EX_UNAVAILABLE
+from common.exits import EXIT_NOT_BUILT, EXIT_USAGE
 
 
 @dataclass(frozen=True)

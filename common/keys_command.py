@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from common.config import setting
+from common.exits import fail
 from common.keys import KeyFileError, KeyFolder, check_name, generate, read_key_file
 
 
@@ -72,8 +72,7 @@ class KeysListConfig:
 
 
 def _fail(command: str, message: str) -> int:
-    print(f"elasticfed keys {command}: error: {message}", file=sys.stderr)
-    return 2
+    return fail(f"keys {command}", message)
 
 
 def _run(command: str, required: dict[str, str], action: Callable[[], list[str]]) -> int:

@@ -63,12 +63,12 @@ from typing import Any
 import zmq
 
 from common.config import setting
+from common.exits import EXIT_USAGE
 from common.link import ChannelStats, Faults, FaultyChannel, TokenBucket
 from common.shared_settings import faults_spec, log_level_setting
 
 log = logging.getLogger("elasticfed.linksim")
 
-EXIT_USAGE = 2
 _ENDPOINT = re.compile(r"^tcp://(\*|\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 _READ = 65536  # bytes per read in the tcp layer
 _BURST_PER_POLL = 256  # messages taken from one socket before the others get a turn

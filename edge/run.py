@@ -29,6 +29,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from common.checkpoint import CheckpointError
+from common.exits import EXIT_REFUSED, fail
 from common.keys import KeyFileError, KeyPair, read_key_file
 from common.link import Faults
 from common.logs import configure_logging
@@ -42,8 +43,6 @@ from edge.session import EdgeRefused, SessionOptions
 from edge.thermal import NoThermalZones, ThermalGuard
 
 log = logging.getLogger("elasticfed.edge")
-
-EXIT_REFUSED = 4
 
 
 def training_device(spec: str) -> torch.device:
@@ -160,13 +159,11 @@ def run(args: argparse.Namespace, config: EdgeConfig) -> int:
         signal.signal(sig, lambda *_: stop.set())
     configure_logging(config.log_level, config.log_format, role="edge")
     if config.audit_mass and not config.state_dir:
-        print("elasticfed edge: error: --audit-mass writes to --state-dir, which is empty", file=sys.stderr)
-        return 2
+        return fail("edge", "--audit-mass writes to --state-dir, which is empty")
     try:
         curve = load_curve(config)
     except KeyFileError as exc:
-        print(f"elasticfed edge: error: {exc}", file=sys.stderr)
-        return 2
+        return fail("edge", f"{exc}")
     # With CURVE the gateway knows this device by the name its key was enrolled under; the key
     # file's own name is the usual choice.
     client_id = config.client_id or (curve[0].name if curve and curve[0].name else socket.gethostname())
@@ -175,18 +172,15 @@ def run(args: argparse.Namespace, config: EdgeConfig) -> int:
     try:
         task = load_task(config.task)
     except TaskError as exc:
-        print(f"elasticfed edge: error: {exc}", file=sys.stderr)
-        return 2
+        return fail("edge", f"{exc}")
     try:
         guard = thermal_guard(config)
     except (ValueError, NoThermalZones) as exc:
-        print(f"elasticfed edge: error: --thermal-*: {exc}", file=sys.stderr)
-        return 2
+        return fail("edge", f"--thermal-*: {exc}")
     try:
         device = training_device(config.train.device)
     except ValueError as exc:
-        print(f"elasticfed edge: error: --train-device: {exc}", file=sys.stderr)
-        return 2
+        return fail("edge", f"--train-device: {exc}")
     torch.manual_seed(config.train.seed)
     model = task.build_model().to(device)
     try:
@@ -198,8 +192,7 @@ def run(args: argparse.Namespace, config: EdgeConfig) -> int:
             except ValueError as exc:  # a partition this task's data cannot take
                 raise TaskError(f"--train-partition {config.train.partition}: {exc}") from exc
     except TaskError as exc:
-        print(f"elasticfed edge: error: {exc}", file=sys.stderr)
-        return 2
+        return fail("edge", f"{exc}")
     loader = DataLoader(
         data,
         batch_size=config.train.batch_size or task.batch_size,
@@ -219,8 +212,7 @@ def run(args: argparse.Namespace, config: EdgeConfig) -> int:
             scaffold=config.train.scaffold,
         )
     except (OSError, CheckpointError) as exc:
-        print(f"elasticfed edge: error: --state-dir {config.state_dir}: {exc}", file=sys.stderr)
-        return 2
+        return fail("edge", f"--state-dir {config.state_dir}: {exc}")
     metrics: MetricsServer | None = None
     if config.metrics_bind:
         try:
@@ -232,8 +224,7 @@ def run(args: argparse.Namespace, config: EdgeConfig) -> int:
             )
         except OSError as exc:
             agent.close(drain_s=0)
-            print(f"elasticfed edge: error: --metrics-bind {config.metrics_bind}: {exc}", file=sys.stderr)
-            return 2
+            return fail("edge", f"--metrics-bind {config.metrics_bind}: {exc}")
     try:
         return _train(config, client_id, task, loader, agent, guard, metrics, stop, device)
     finally:
