@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cloud.layerwise import LayerwiseDDP
+from elasticfed.cloud.layerwise import LayerwiseDDP
 
 COMPRESSED = ("topk:0.01", "powersgd:4")
 

@@ -20,9 +20,9 @@ import time
 import numpy as np
 import torch
 
-from cloud.aggregation import LayerAccumulator, contribution, entries
-from edge.compression import UplinkCompression
-from protocol import Dense, LayerGradient, Manifest, Push, all_finite, decode, encode
+from elasticfed.cloud.aggregation import LayerAccumulator, contribution, entries
+from elasticfed.edge.compression import UplinkCompression
+from elasticfed.protocol import Dense, LayerGradient, Manifest, Push, all_finite, decode, encode
 
 EDGE_SPECS = ("none", "fp16", "int8", "topk:0.01", "topk:0.01+int8")
 

@@ -46,9 +46,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as `python benchmarks/convergence.py` from a checkout
     sys.path.insert(0, str(REPO))
 
-from cloud import demo  # noqa: E402
-from cloud.config import DemoConfig  # noqa: E402
-from common.task import Task, load_task, shard  # noqa: E402
+from elasticfed.cloud import demo  # noqa: E402
+from elasticfed.cloud.config import DemoConfig  # noqa: E402
+from elasticfed.common.task import Task, load_task, shard  # noqa: E402
 
 TASK = "digits"
 LOOPBACK_RTT_S = 0.001  # what a successful exchange costs FedAvg on the simulated lossy link

@@ -49,14 +49,14 @@ import torch
 import zmq
 from torch import nn
 
-from cloud.admission import CurveAdmission
-from cloud.aggregation import DeadlineQuorum
-from cloud.gateway import Gateway, GatewayOptions
-from common.keys import KeyFolder, KeyPair, generate, read_key_file
-from edge.agent import ElasticEdge
-from edge.cache import GradientCache
-from edge.session import EdgeSession, SessionOptions
-from protocol import Manifest
+from elasticfed.cloud.admission import CurveAdmission
+from elasticfed.cloud.aggregation import DeadlineQuorum
+from elasticfed.cloud.gateway import Gateway, GatewayOptions
+from elasticfed.common.keys import KeyFolder, KeyPair, generate, read_key_file
+from elasticfed.edge.agent import ElasticEdge
+from elasticfed.edge.cache import GradientCache
+from elasticfed.edge.session import EdgeSession, SessionOptions
+from elasticfed.protocol import Manifest
 
 CREDIT = 8
 

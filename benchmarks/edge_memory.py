@@ -1,6 +1,6 @@
 """An edge agent's memory through a long outage: the derived budget against the measured peak.
 
-One edge (`python -m edge`, the defaults a user gets: `auto` compression, patches
+One edge (`python -m elasticfed.edge`, the defaults a user gets: `auto` compression, patches
 downlink) in a network namespace behind a tbf cap trains the base text task
 against a gateway built from `cloud serve`'s defaults; after `--before-s` its
 link drops every packet both ways for `--outage-s` (default 10 minutes), then
@@ -43,16 +43,16 @@ for _path in (REPO, REPO / "benchmarks", REPO / "tests"):
 from netns import Lab, Unavailable, sweep_stale  # noqa: E402  (tests/netns.py)
 from wan import BASE_TASK, SMALL_TASK, Worker, make_keys, wait_started  # noqa: E402
 
-from cloud.config import CloudConfig  # noqa: E402
-from cloud.durability import GatewayCheckpoints  # noqa: E402
-from cloud.serve import build_gateway, round_logger  # noqa: E402
-from common.task import load_task  # noqa: E402
+from elasticfed.cloud.config import CloudConfig  # noqa: E402
+from elasticfed.cloud.durability import GatewayCheckpoints  # noqa: E402
+from elasticfed.cloud.serve import build_gateway, round_logger  # noqa: E402
+from elasticfed.common.task import load_task  # noqa: E402
 
 RUNTIME_PROBE = """
 import resource, sys
 import torch
-from common.task import load_task
-from edge.agent import ElasticEdge  # noqa: F401  (everything the agent imports)
+from elasticfed.common.task import load_task
+from elasticfed.edge.agent import ElasticEdge  # noqa: F401  (everything the agent imports)
 task = load_task(sys.argv[1])
 model = task.build_model()
 data = task.train_set()
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         port = gateway.bind().rsplit(":", 1)[1]
         threading.Thread(target=gateway.serve, args=(stop,), name="gateway", daemon=True).start()
         argv = [
-            sys.executable, "-m", "edge", "--gateway", f"tcp://{lab.gateway_address}:{port}",
+            sys.executable, "-m", "elasticfed.edge", "--gateway", f"tcp://{lab.gateway_address}:{port}",
             "--client-id", "edge-0", "--task", spec, "--state-dir", str(work / "edge-state"),
             "--status-every-s", "5", *security[0],
         ]  # fmt: skip

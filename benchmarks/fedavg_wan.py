@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as `python benchmarks/fedavg_wan.py` from a checkout
     sys.path.insert(0, str(REPO))
 
-from common.task import Task, load_task, shard  # noqa: E402
+from elasticfed.common.task import Task, load_task, shard  # noqa: E402
 
 VERSION = 1
 State = dict[str, torch.Tensor]

@@ -49,9 +49,9 @@ if str(REPO) not in sys.path:  # run as `python benchmarks/noniid.py` from a che
     sys.path.insert(0, str(REPO))
 
 from benchmarks.convergence import fedavg  # noqa: E402
-from cloud import demo  # noqa: E402
-from cloud.config import DemoConfig, GatewaySettings  # noqa: E402
-from common.task import Task, load_task, shard  # noqa: E402
+from elasticfed.cloud import demo  # noqa: E402
+from elasticfed.cloud.config import DemoConfig, GatewaySettings  # noqa: E402
+from elasticfed.common.task import Task, load_task, shard  # noqa: E402
 
 
 def defaults(

@@ -5,7 +5,7 @@ same task (the base-size byte-level LM on the Python stdlib, IID shards), the
 same seed model and the same edges:
 
 - `elasticfed capped`: the gateway in the root namespace, N edge agents
-  (`python -m edge` = `elasticfed edge`), each in its own network namespace
+  (`python -m elasticfed.edge` = `elasticfed edge`), each in its own network namespace
   behind a tbf rate cap (default 10 Mbit/s each way) and nftables dropping 2%
   of its packets each way (tests/netns.py);
 - `fedavg capped`: synchronous FedAvg (benchmarks/fedavg_wan.py): a server in
@@ -66,17 +66,17 @@ for _path in (REPO, REPO / "benchmarks", REPO / "tests"):
 import fedavg_wan  # noqa: E402  (benchmarks/fedavg_wan.py)
 from netns import EdgeNet, Lab, Unavailable, sweep_stale  # noqa: E402  (tests/netns.py)
 
-from cloud.admission import CurveAdmission  # noqa: E402
-from cloud.config import CloudConfig  # noqa: E402
-from cloud.durability import GatewayCheckpoints  # noqa: E402
-from cloud.serve import build_gateway, round_logger  # noqa: E402
-from common.checkpoint import CheckpointError  # noqa: E402
-from common.keys import KeyFolder, generate  # noqa: E402
-from common.task import Task, load_task  # noqa: E402
-from edge.persistence import MASS_AUDIT_FILE, read_mass_audit  # noqa: E402
+from elasticfed.cloud.admission import CurveAdmission  # noqa: E402
+from elasticfed.cloud.config import CloudConfig  # noqa: E402
+from elasticfed.cloud.durability import GatewayCheckpoints  # noqa: E402
+from elasticfed.cloud.serve import build_gateway, round_logger  # noqa: E402
+from elasticfed.common.checkpoint import CheckpointError  # noqa: E402
+from elasticfed.common.keys import KeyFolder, generate  # noqa: E402
+from elasticfed.common.task import Task, load_task  # noqa: E402
+from elasticfed.edge.persistence import MASS_AUDIT_FILE, read_mass_audit  # noqa: E402
 
-BASE_TASK = "common.tasks.stdlib_lm:base_task"  # `stdlib-lm-base`
-SMALL_TASK = "common.tasks.stdlib_lm:task"  # `stdlib-lm`
+BASE_TASK = "elasticfed.common.tasks.stdlib_lm:base_task"  # `stdlib-lm-base`
+SMALL_TASK = "elasticfed.common.tasks.stdlib_lm:task"  # `stdlib-lm`
 STARTUP_LIMIT_S = 180.0  # workers not ready by then are not waited for
 EXIT_WAIT_S = 90.0  # after SIGTERM, beyond the edges' own drain time (30 s by default)
 TARGET_FACTOR = 1.10
@@ -297,7 +297,7 @@ def run_elasticfed(
         serving.start()
         for i, net in enumerate(nets):
             argv = [
-                sys.executable, "-m", "edge",
+                sys.executable, "-m", "elasticfed.edge",
                 "--gateway", f"tcp://{lab.gateway_address}:{port}",
                 "--client-id", f"edge-{i}",
                 "--task", spec,

@@ -22,7 +22,7 @@ from typing import Any
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from common.keys import EnrolledDevices, KeyFolder, KeyPair
+from elasticfed.common.keys import EnrolledDevices, KeyFolder, KeyPair
 
 log = logging.getLogger("elasticfed.gateway")
 

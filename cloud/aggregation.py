@@ -35,7 +35,7 @@ from typing import Protocol
 
 import torch
 
-from protocol.payload import Payload, Sparse
+from elasticfed.protocol.payload import Payload, Sparse
 
 
 def contribution(payload: Payload) -> torch.Tensor:

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from cloud.collectives import UnitComm
+from elasticfed.cloud.collectives import UnitComm
 
 
 class Compressor(ABC):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import section, setting
-from common.shared_settings import (
+from elasticfed.common.config import section, setting
+from elasticfed.common.shared_settings import (
     compression_setting,
     insecure_setting,
     log_format_setting,
@@ -21,7 +21,7 @@ from common.shared_settings import (
 
 def downlink_spec(value: str) -> str | None:
     """The `--gateway-downlink` syntax (cloud/publication.py), checked when a config loads."""
-    from cloud.publication import downlink_ratio  # torch: not for `--help`
+    from elasticfed.cloud.publication import downlink_ratio  # torch: not for `--help`
 
     return problem_of(downlink_ratio, value)
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from common.link import RATE_SAMPLE_MIN_BYTES, RecentMax
+from elasticfed.common.link import RATE_SAMPLE_MIN_BYTES, RecentMax
 
 SPAN_S = 4.0  # a rate sample covers at least this long: bursts after a retransmission average out
 

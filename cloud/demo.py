@@ -1,7 +1,7 @@
 """`elasticfed demo`: a gateway and a few edge agents on this machine, over a lossy link.
 
 The gateway runs in this process; each edge is its own process
-(`python -m edge`), trains on its shard of the digits data and syncs through
+(`python -m elasticfed.edge`), trains on its shard of the digits data and syncs through
 an in-process fault-injecting link (default: 30% message loss in bursts).  A
 progress bar follows the rounds with the task's test figure (accuracy for
 digits, bits per byte for stdlib-lm), the strong/weak sync rates the edges
@@ -33,14 +33,14 @@ from typing import Any, TextIO
 
 import torch
 
-from cloud.admission import CurveAdmission
-from cloud.config import CloudConfig, DemoConfig, GatewaySettings
-from cloud.gateway import GatewayDiverged, RoundSummary
-from cloud.serve import EXIT_DIVERGED, build_gateway, evaluate_averaged, totals
-from common.exits import fail
-from common.keys import KeyFolder, generate
-from common.link import Faults
-from common.task import Task, TaskError, load_task, shard
+from elasticfed.cloud.admission import CurveAdmission
+from elasticfed.cloud.config import CloudConfig, DemoConfig, GatewaySettings
+from elasticfed.cloud.gateway import GatewayDiverged, RoundSummary
+from elasticfed.cloud.serve import EXIT_DIVERGED, build_gateway, evaluate_averaged, totals
+from elasticfed.common.exits import fail
+from elasticfed.common.keys import KeyFolder, generate
+from elasticfed.common.link import Faults
+from elasticfed.common.task import Task, TaskError, load_task, shard
 
 
 class _EdgeProcess:
@@ -148,7 +148,7 @@ def _edge_argv(config: DemoConfig, i: int, endpoint: str, security: list[str]) -
     return [
         sys.executable,
         "-m",
-        "edge",
+        "elasticfed.edge",
         "--gateway",
         endpoint,
         "--client-id",

@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from cloud.clients import ClientState
-from common.checkpoint import CheckpointError, CheckpointStore, read_tensors
+from elasticfed.cloud.clients import ClientState
+from elasticfed.common.checkpoint import CheckpointError, CheckpointStore, read_tensors
 
 log = logging.getLogger("elasticfed.gateway")
 

@@ -43,9 +43,9 @@ import torch
 import zmq
 from torch import nn
 
-from cloud import verdicts
-from cloud.admission import CurveAdmission
-from cloud.aggregation import (
+from elasticfed.cloud import verdicts
+from elasticfed.cloud.admission import CurveAdmission
+from elasticfed.cloud.aggregation import (
     Aggregation,
     Buffered,
     DeadlineQuorum,
@@ -56,19 +56,19 @@ from cloud.aggregation import (
     Weighting,
     contribution,
 )
-from cloud.clients import ClientState
-from cloud.config import GatewaySettings
-from cloud.delivery import DeliveryPace
-from cloud.durability import GatewayCheckpoints, GatewayState
-from cloud.ema import ModelEma, accumulator_dtype
-from cloud.publication import PublicModel, downlink_ratio
-from cloud.verdicts import NORM_POLICIES, Verdict
-from cloud.watch import LossWatch
-from common.checkpoint import CheckpointError, load_optimizer_state, optimizer_state_tensors
-from common.hooks import trainable_parameters
-from common.link import TokenBucket
-from common.metrics import LATENCY_BUCKETS_S, STALENESS_BUCKETS, Metrics
-from protocol import (
+from elasticfed.cloud.clients import ClientState
+from elasticfed.cloud.config import GatewaySettings
+from elasticfed.cloud.delivery import DeliveryPace
+from elasticfed.cloud.durability import GatewayCheckpoints, GatewayState
+from elasticfed.cloud.ema import ModelEma, accumulator_dtype
+from elasticfed.cloud.publication import PublicModel, downlink_ratio
+from elasticfed.cloud.verdicts import NORM_POLICIES, Verdict
+from elasticfed.cloud.watch import LossWatch
+from elasticfed.common.checkpoint import CheckpointError, load_optimizer_state, optimizer_state_tensors
+from elasticfed.common.hooks import trainable_parameters
+from elasticfed.common.link import TokenBucket
+from elasticfed.common.metrics import LATENCY_BUCKETS_S, STALENESS_BUCKETS, Metrics
+from elasticfed.protocol import (
     DEFAULT_LIMITS,
     Ack,
     Commit,

@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cloud.gateway import Gateway
-from common.metrics import Metrics
+from elasticfed.cloud.gateway import Gateway
+from elasticfed.common.metrics import Metrics
 
 log = logging.getLogger("elasticfed.hybrid")
 

@@ -30,11 +30,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cloud import planning
-from cloud.collectives import CollectiveError, UnitComm
-from cloud.compression import Compressor, make_compressor
-from common.hooks import GradientHooks, trainable_parameters
-from protocol.payload import checksum, tensor_buffer
+from elasticfed.cloud import planning
+from elasticfed.cloud.collectives import CollectiveError, UnitComm
+from elasticfed.cloud.compression import Compressor, make_compressor
+from elasticfed.common.hooks import GradientHooks, trainable_parameters
+from elasticfed.protocol.payload import checksum, tensor_buffer
 
 log = logging.getLogger("elasticfed.sync")
 

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from common.topk import largest_magnitudes
-from protocol import LayerTensor, Manifest, ModelPatch, blob, encode
-from protocol.payload import Dense, Sparse
+from elasticfed.common.topk import largest_magnitudes
+from elasticfed.protocol import LayerTensor, Manifest, ModelPatch, blob, encode
+from elasticfed.protocol.payload import Dense, Sparse
 
 PATCHES_KEPT = 16  # built patches kept for the edges that ask for the same one
 DIGESTS_KEPT = 4096  # recent versions' digests: what an edge holding one must have (audits)

@@ -6,7 +6,7 @@ until SIGTERM/SIGINT or `--gateway-max-rounds`, logs one line per round, and
 prints a JSON summary (version, rounds, the task's test figure, counters) as its last
 line.
 
-Hybrid (`torchrun ... -m cloud serve --mode hybrid`): every rank trains on the
+Hybrid (`torchrun ... -m elasticfed.cloud serve --mode hybrid`): every rank trains on the
 cloud's data with layer-wise sync, and rank 0 hosts the gateway, whose rounds
 enter the cloud steps (cloud/hybrid.py).  Rank 0 prints the summary, with every
 rank's SHA-256 of its final parameters.
@@ -32,8 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cloud.admission import CurveAdmission
-from cloud.aggregation import (
+from elasticfed.cloud.admission import CurveAdmission
+from elasticfed.cloud.aggregation import (
     Buffered,
     CosineDecay,
     DeadlineQuorum,
@@ -41,30 +41,30 @@ from cloud.aggregation import (
     Weighting,
     aggregation_named,
 )
-from cloud.collectives import CollectiveError
-from cloud.config import CloudConfig
-from cloud.durability import GatewayCheckpoints
-from cloud.ema import ModelEma
-from cloud.gateway import Gateway, GatewayDiverged, GatewayOptions, ModelUpdate, RoundSummary
-from cloud.hybrid import EdgeMixing, EdgeRounds
-from cloud.layerwise import DivergenceError
-from cloud.server_optimizers import default_lr, server_optimizer
-from cloud.train import (
+from elasticfed.cloud.collectives import CollectiveError
+from elasticfed.cloud.config import CloudConfig
+from elasticfed.cloud.durability import GatewayCheckpoints
+from elasticfed.cloud.ema import ModelEma
+from elasticfed.cloud.gateway import Gateway, GatewayDiverged, GatewayOptions, ModelUpdate, RoundSummary
+from elasticfed.cloud.hybrid import EdgeMixing, EdgeRounds
+from elasticfed.cloud.layerwise import DivergenceError
+from elasticfed.cloud.server_optimizers import default_lr, server_optimizer
+from elasticfed.cloud.train import (
     EXIT_SYNC_FAILED,
     configure_worker_logging,
     join_process_group,
     pick_backend,
     train,
 )
-from cloud.watch import LossWatch
-from common.checkpoint import CheckpointError
-from common.exits import EXIT_DIVERGED, EXIT_FAILED, fail
-from common.hooks import trainable_parameters
-from common.keys import KeyFileError
-from common.logs import configure_logging
-from common.metrics import Metrics
-from common.metrics_http import ExtraGauge, MetricsServer, serve_metrics
-from common.task import Task, TaskError, load_task, shard
+from elasticfed.cloud.watch import LossWatch
+from elasticfed.common.checkpoint import CheckpointError
+from elasticfed.common.exits import EXIT_DIVERGED, EXIT_FAILED, fail
+from elasticfed.common.hooks import trainable_parameters
+from elasticfed.common.keys import KeyFileError
+from elasticfed.common.logs import configure_logging
+from elasticfed.common.metrics import Metrics
+from elasticfed.common.metrics_http import ExtraGauge, MetricsServer, serve_metrics
+from elasticfed.common.task import Task, TaskError, load_task, shard
 
 log = logging.getLogger("elasticfed.gateway")
 
@@ -369,7 +369,7 @@ def torchrun_argv(argv: list[str], nproc: int) -> list[str]:
     flags = argv[argv.index("serve", 1) + 1 :]
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        "-m", "cloud", "serve", *flags,
+        "-m", "elasticfed.cloud", "serve", *flags,
     ]  # fmt: skip
 
 
@@ -413,7 +413,7 @@ def run_hybrid(config: CloudConfig) -> int:
     if not launched:
         log.warning(
             "not started by torchrun: one cloud worker plus the gateway; use "
-            "`torchrun --nproc-per-node=N -m cloud serve --mode hybrid` for N workers"
+            "`torchrun --nproc-per-node=N -m elasticfed.cloud serve --mode hybrid` for N workers"
         )
     rank = dist.get_rank()
     torch.manual_seed(config.train.seed)

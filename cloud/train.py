@@ -1,6 +1,6 @@
-"""`elasticfed cloud train` / `python -m cloud`: a torchrun worker that trains a task with layer-wise sync.
+"""`elasticfed cloud train` / `python -m elasticfed.cloud`: a torchrun worker training with layer-wise sync.
 
-Launched by `torchrun --nproc_per_node=N -m cloud [flags]`, each worker reads
+Launched by `torchrun --nproc_per_node=N -m elasticfed.cloud [flags]`, each worker reads
 its rank from torchrun's environment, trains on its shard of the task's data
 (a DistributedSampler split), and rank 0 evaluates after every epoch.  Started
 without torchrun it trains alone (world size 1) and says so.
@@ -29,21 +29,21 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from cloud.collectives import CollectiveError
-from cloud.config import CloudConfig, SyncSettings, TrainSettings
-from cloud.hybrid import EdgeMixing
-from cloud.layerwise import DivergenceError, LayerwiseDDP
-from common.checkpoint import (
+from elasticfed.cloud.collectives import CollectiveError
+from elasticfed.cloud.config import CloudConfig, SyncSettings, TrainSettings
+from elasticfed.cloud.hybrid import EdgeMixing
+from elasticfed.cloud.layerwise import DivergenceError, LayerwiseDDP
+from elasticfed.common.checkpoint import (
     CheckpointError,
     CheckpointStore,
     load_optimizer_state,
     optimizer_state_tensors,
     read_tensors,
 )
-from common.exits import EXIT_SYNC_FAILED, fail
-from common.logs import configure_logging
-from common.progress import ProgressBar
-from common.task import Task, TaskError, load_task
+from elasticfed.common.exits import EXIT_SYNC_FAILED, fail
+from elasticfed.common.logs import configure_logging
+from elasticfed.common.progress import ProgressBar
+from elasticfed.common.task import Task, TaskError, load_task
 
 log = logging.getLogger("elasticfed.cloud")
 
@@ -375,7 +375,7 @@ def run(args: argparse.Namespace, config: CloudConfig) -> int:
     if not launched:
         log.warning(
             "not started by torchrun: training alone (world size 1); "
-            "use `torchrun --nproc_per_node=N -m cloud` for N workers"
+            "use `torchrun --nproc_per_node=N -m elasticfed.cloud` for N workers"
         )
     try:
         result = train(task, config.sync, config.train, device)

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from cloud.aggregation import Weighting, entries
-from cloud.clients import ClientState
-from protocol import Dense, Push, Reason, all_finite
+from elasticfed.cloud.aggregation import Weighting, entries
+from elasticfed.cloud.clients import ClientState
+from elasticfed.protocol import Dense, Push, Reason, all_finite
 
 # An edge part-way through a download is judged by the version it is fetching for this long
 # after its last chunk request; never beyond this many times max_staleness (avoidable_staleness).

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from common.task import Task
+from elasticfed.common.task import Task
 
 
 class LossWatch:

@@ -44,7 +44,7 @@ import xxhash
 # safetensors' own parser (a length-prefixed JSON header and raw bytes): no pickle involved.
 from safetensors.torch import load as parse_safetensors
 
-from common.host_memory import release_free_memory
+from elasticfed.common.host_memory import release_free_memory
 
 log = logging.getLogger("elasticfed.checkpoint")
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from common import config as cfg
-from common.exits import EXIT_NOT_BUILT, EXIT_USAGE
+from elasticfed.common import config as cfg
+from elasticfed.common.exits import EXIT_NOT_BUILT, EXIT_USAGE
 
 
 @dataclass(frozen=True)
@@ -36,62 +36,62 @@ COMMANDS: tuple[Command, ...] = (
     Command(
         ("demo",),
         "run a gateway and edge agents on this machine over a lossy link",
-        config="cloud.config:DemoConfig",
-        run="cloud.demo:run",
+        config="elasticfed.cloud.config:DemoConfig",
+        run="elasticfed.cloud.demo:run",
     ),
     Command(
         ("cloud", "train"),
         "train as a torchrun cloud worker with layer-wise sync",
-        config="cloud.config:CloudConfig",
-        run="cloud.train:run",
+        config="elasticfed.cloud.config:CloudConfig",
+        run="elasticfed.cloud.train:run",
     ),
     Command(
         ("cloud", "serve"),
         "run the cloud service: the edge gateway alone (standalone) or in rank 0 of the torchrun workers",
-        config="cloud.config:CloudConfig",
-        run="cloud.serve:run",
+        config="elasticfed.cloud.config:CloudConfig",
+        run="elasticfed.cloud.serve:run",
     ),
     Command(
         ("edge",),
         "run the edge agent: train locally, push gradients to the gateway",
-        config="edge.config:EdgeConfig",
-        run="edge.run:run",
+        config="elasticfed.edge.config:EdgeConfig",
+        run="elasticfed.edge.run:run",
     ),
     Command(
         ("keys", "init"),
         "create the gateway's key folder and CURVE key pair",
-        config="common.keys_command:KeysInitConfig",
-        run="common.keys_command:init",
+        config="elasticfed.common.keys_command:KeysInitConfig",
+        run="elasticfed.common.keys_command:init",
     ),
     Command(
         ("keys", "generate"),
         "generate a device's CURVE key pair (NAME.key, NAME.key_secret)",
-        config="common.keys_command:KeysGenerateConfig",
-        run="common.keys_command:generate_pair",
+        config="elasticfed.common.keys_command:KeysGenerateConfig",
+        run="elasticfed.common.keys_command:generate_pair",
     ),
     Command(
         ("keys", "enrol"),
         "allow a device's public key on the gateway",
-        config="common.keys_command:KeysEnrolConfig",
-        run="common.keys_command:enrol",
+        config="elasticfed.common.keys_command:KeysEnrolConfig",
+        run="elasticfed.common.keys_command:enrol",
     ),
     Command(
         ("keys", "revoke"),
         "take a device's key off the gateway; a running gateway refuses it within a second",
-        config="common.keys_command:KeysRevokeConfig",
-        run="common.keys_command:revoke",
+        config="elasticfed.common.keys_command:KeysRevokeConfig",
+        run="elasticfed.common.keys_command:revoke",
     ),
     Command(
         ("keys", "list"),
         "list enrolled and revoked devices",
-        config="common.keys_command:KeysListConfig",
-        run="common.keys_command:list_devices",
+        config="elasticfed.common.keys_command:KeysListConfig",
+        run="elasticfed.common.keys_command:list_devices",
     ),
     Command(
         ("linksim",),
         "proxy between edges and the gateway that makes the link lossy, slow, bursty or down",
-        config="common.linksim:LinksimConfig",
-        run="common.linksim:run",
+        config="elasticfed.common.linksim:LinksimConfig",
+        run="elasticfed.common.linksim:run",
     ),
 )
 

@@ -19,9 +19,9 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from common.config import setting
-from common.exits import fail
-from common.keys import KeyFileError, KeyFolder, check_name, generate, read_key_file
+from elasticfed.common.config import setting
+from elasticfed.common.exits import fail
+from elasticfed.common.keys import KeyFileError, KeyFolder, check_name, generate, read_key_file
 
 
 def _name(value: str) -> str | None:

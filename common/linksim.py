@@ -62,10 +62,10 @@ from typing import Any
 
 import zmq
 
-from common.config import setting
-from common.exits import EXIT_USAGE
-from common.link import ChannelStats, Faults, FaultyChannel, TokenBucket
-from common.shared_settings import faults_spec, log_level_setting
+from elasticfed.common.config import setting
+from elasticfed.common.exits import EXIT_USAGE
+from elasticfed.common.link import ChannelStats, Faults, FaultyChannel, TokenBucket
+from elasticfed.common.shared_settings import faults_spec, log_level_setting
 
 log = logging.getLogger("elasticfed.linksim")
 

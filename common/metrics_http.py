@@ -47,7 +47,7 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.utils import floatToGoString
 
-from common.metrics import Counter, Histogram, Metrics
+from elasticfed.common.metrics import Counter, Histogram, Metrics
 
 log = logging.getLogger("elasticfed.metrics")
 

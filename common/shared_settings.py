@@ -6,9 +6,9 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from common.config import setting
-from common.link import Faults
-from common.tasks import BUILT_IN
+from elasticfed.common.config import setting
+from elasticfed.common.link import Faults
+from elasticfed.common.tasks import BUILT_IN
 
 _TASK = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
 _TCP = re.compile(r"^tcp://(\*|\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
@@ -34,7 +34,7 @@ def problem_of(parse: Callable[[str], object], value: str) -> str | None:
 
 def partition_spec(value: str) -> str | None:
     """How shards split a task's data (`common.task.shard`), checked when a config loads."""
-    from common.task import parse_partition  # torch: not for `--help`
+    from elasticfed.common.task import parse_partition  # torch: not for `--help`
 
     return problem_of(parse_partition, value)
 
@@ -70,7 +70,7 @@ def metrics_bind(value: str) -> str | None:
     """`HOST:PORT` for the Prometheus endpoint (common/metrics_http.py), or empty."""
     if not value:
         return None
-    from common.metrics_http import parse_bind  # prometheus_client only when asked for
+    from elasticfed.common.metrics_http import parse_bind  # prometheus_client only when asked for
 
     try:
         parse_bind(value)

@@ -8,6 +8,7 @@ The function takes no arguments and returns a `Task`.  The embedded tasks
 from __future__ import annotations
 
 import importlib
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from common.tasks import BUILT_IN
+from elasticfed.common.tasks import BUILT_IN
 
 
 def accuracy(model: nn.Module, data: Dataset, batch_size: int = 512) -> float:
@@ -90,6 +91,15 @@ def load_task(spec: str) -> Task:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise TaskError(f"task {spec!r}: expected 'package.module:function'")
+    if module_name.split(".")[0] in ("common", "cloud", "edge", "protocol"):
+        # This project's modules are installed under elasticfed; specs written before that still load.
+        warnings.warn(
+            f"task {spec!r}: the project's modules are elasticfed.{module_name.split('.')[0]}...; "
+            f"write 'elasticfed.{spec}'",
+            FutureWarning,
+            stacklevel=2,
+        )
+        module_name = f"elasticfed.{module_name}"
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -101,7 +111,9 @@ def load_task(spec: str) -> Task:
         raise TaskError(f"task {spec!r}: {attr!r} is not callable")
     task = factory()
     if not isinstance(task, Task):
-        raise TaskError(f"task {spec!r}: {attr}() returned {type(task).__name__}, expected common.task.Task")
+        raise TaskError(
+            f"task {spec!r}: {attr}() returned {type(task).__name__}, expected elasticfed.common.task.Task"
+        )
     return task
 
 

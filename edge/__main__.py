@@ -1,7 +1,7 @@
-"""`python -m edge` = `elasticfed edge`."""
+"""`python -m elasticfed.edge` = `elasticfed edge`."""
 
 import sys
 
-from common.cli import main
+from elasticfed.common.cli import main
 
 sys.exit(main(["edge", *sys.argv[1:]]))

@@ -30,15 +30,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from common.hooks import GradientHooks, pack_by_size, trainable_parameters
-from edge.cache import GradientCache
-from edge.compression import Compression, UplinkCompression
-from edge.config import DRIFT_HORIZON
-from edge.direction import Direction, RawGradient, SgdDirection
-from edge.drift import ControlVariates, Horizon, Proximal
-from edge.session import EdgeSession, SessionOptions
-from protocol import Manifest
-from protocol.messages import MAX_RATE, is_rate
+from elasticfed.common.hooks import GradientHooks, pack_by_size, trainable_parameters
+from elasticfed.edge.cache import GradientCache
+from elasticfed.edge.compression import Compression, UplinkCompression
+from elasticfed.edge.config import DRIFT_HORIZON
+from elasticfed.edge.direction import Direction, RawGradient, SgdDirection
+from elasticfed.edge.drift import ControlVariates, Horizon, Proximal
+from elasticfed.edge.session import EdgeSession, SessionOptions
+from elasticfed.protocol import Manifest
+from elasticfed.protocol.messages import MAX_RATE, is_rate
 
 _RAW = RawGradient()
 

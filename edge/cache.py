@@ -53,10 +53,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from protocol.payload import Payload, payload_bytes
+from elasticfed.protocol.payload import Payload, payload_bytes
 
 if TYPE_CHECKING:
-    from edge.compression import Compression
+    from elasticfed.edge.compression import Compression
 
 
 @dataclass

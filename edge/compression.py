@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common.topk import largest_magnitudes
-from protocol.payload import SPARSE_BLOCK, Dense, Payload, Quantized, Sparse
+from elasticfed.common.topk import largest_magnitudes
+from elasticfed.protocol.payload import SPARSE_BLOCK, Dense, Payload, Quantized, Sparse
 
 INT8_CHUNK = 256  # elements per int8 scale: 1.6% of the codes' bytes for fp32 scales
 AUTO_MIN_PUSH_S = 0.2  # `auto` never compresses harder than a push every this long needs

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import section, setting
-from common.shared_settings import (
+from elasticfed.common.config import section, setting
+from elasticfed.common.shared_settings import (
     faults_spec,
     insecure_setting,
     log_format_setting,
@@ -109,7 +109,7 @@ class EdgeThermal:
 
 def uplink_compression_spec(value: str) -> str | None:
     """The `--compression` syntax (edge/compression.py), checked when a config loads."""
-    from edge.compression import UplinkCompression  # torch: not for `--help`
+    from elasticfed.edge.compression import UplinkCompression  # torch: not for `--help`
 
     try:
         UplinkCompression.parse(value)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy
 import torch
 
-from protocol import (
+from elasticfed.protocol import (
     Dense,
     LayerTensor,
     Manifest,
@@ -44,7 +44,7 @@ from protocol import (
     decode,
     limits_for,
 )
-from protocol.payload import Sparse
+from elasticfed.protocol.payload import Sparse
 
 log = logging.getLogger("elasticfed.edge")
 

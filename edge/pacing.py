@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from common.link import RATE_SAMPLE_MIN_BYTES, RecentMax, TokenBucket
+from elasticfed.common.link import RATE_SAMPLE_MIN_BYTES, RecentMax, TokenBucket
 
 RUN_WINDOW_S = 10.0  # a busy run's rate is taken over about this long of its newest answers
 

@@ -37,11 +37,11 @@ from typing import Any
 
 import torch
 
-from common.checkpoint import CheckpointError, CheckpointStore, read_tensors, write_tensors
-from edge.cache import MAX_HELD, Flight, GradientCache, Held
-from protocol import LayerGradient, Manifest, ProtocolError, Push, decode, encode, limits_for
-from protocol.messages import MAX_RATE, is_rate
-from protocol.payload import payload_bytes
+from elasticfed.common.checkpoint import CheckpointError, CheckpointStore, read_tensors, write_tensors
+from elasticfed.edge.cache import MAX_HELD, Flight, GradientCache, Held
+from elasticfed.protocol import LayerGradient, Manifest, ProtocolError, Push, decode, encode, limits_for
+from elasticfed.protocol.messages import MAX_RATE, is_rate
+from elasticfed.protocol.payload import payload_bytes
 
 log = logging.getLogger("elasticfed.edge")
 

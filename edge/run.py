@@ -28,19 +28,19 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from common.checkpoint import CheckpointError
-from common.exits import EXIT_REFUSED, fail
-from common.keys import KeyFileError, KeyPair, read_key_file
-from common.link import Faults
-from common.logs import configure_logging
-from common.metrics_http import ExtraGauge, MetricsServer, serve_metrics
-from common.progress import ProgressBar
-from common.task import TaskError, load_task, shard
-from edge.agent import ElasticEdge
-from edge.config import EdgeConfig
-from edge.persistence import MASS_AUDIT_FILE, write_mass_audit
-from edge.session import EdgeRefused, SessionOptions
-from edge.thermal import NoThermalZones, ThermalGuard
+from elasticfed.common.checkpoint import CheckpointError
+from elasticfed.common.exits import EXIT_REFUSED, fail
+from elasticfed.common.keys import KeyFileError, KeyPair, read_key_file
+from elasticfed.common.link import Faults
+from elasticfed.common.logs import configure_logging
+from elasticfed.common.metrics_http import ExtraGauge, MetricsServer, serve_metrics
+from elasticfed.common.progress import ProgressBar
+from elasticfed.common.task import TaskError, load_task, shard
+from elasticfed.edge.agent import ElasticEdge
+from elasticfed.edge.config import EdgeConfig
+from elasticfed.edge.persistence import MASS_AUDIT_FILE, write_mass_audit
+from elasticfed.edge.session import EdgeRefused, SessionOptions
+from elasticfed.edge.thermal import NoThermalZones, ThermalGuard
 
 log = logging.getLogger("elasticfed.edge")
 

@@ -73,14 +73,14 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from common.keys import KeyPair, configure_client
-from common.link import Backoff, Faults, FaultyChannel
-from common.metrics import LATENCY_BUCKETS_S, STALENESS_BUCKETS, Metrics
-from edge.cache import Flight, GradientCache
-from edge.download import ModelDownload
-from edge.pacing import Backlog, LinkMeter, UploadCap
-from edge.persistence import EdgeState
-from protocol import (
+from elasticfed.common.keys import KeyPair, configure_client
+from elasticfed.common.link import Backoff, Faults, FaultyChannel
+from elasticfed.common.metrics import LATENCY_BUCKETS_S, STALENESS_BUCKETS, Metrics
+from elasticfed.edge.cache import Flight, GradientCache
+from elasticfed.edge.download import ModelDownload
+from elasticfed.edge.pacing import Backlog, LinkMeter, UploadCap
+from elasticfed.edge.persistence import EdgeState
+from elasticfed.protocol import (
     DEFAULT_LIMITS,
     UINT_MAX,
     Ack,
@@ -105,7 +105,7 @@ from protocol import (
     frame_bytes,
     limits_for,
 )
-from protocol.payload import payload_bytes
+from elasticfed.protocol.payload import payload_bytes
 
 log = logging.getLogger("elasticfed.edge")
 

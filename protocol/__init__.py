@@ -3,8 +3,8 @@
 Knows bytes, tensors and messages; nothing of training.
 """
 
-from protocol import blob
-from protocol.codec import (
+from elasticfed.protocol import blob
+from elasticfed.protocol.codec import (
     DEFAULT_LIMITS,
     Limits,
     all_finite,
@@ -14,9 +14,9 @@ from protocol.codec import (
     frame_bytes,
     limits_for,
 )
-from protocol.errors import ProtocolError, Reason
-from protocol.manifest import LayerSpec, Manifest
-from protocol.messages import (
+from elasticfed.protocol.errors import ProtocolError, Reason
+from elasticfed.protocol.manifest import LayerSpec, Manifest
+from elasticfed.protocol.messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     UINT_MAX,
@@ -36,7 +36,7 @@ from protocol.messages import (
     Reject,
     Welcome,
 )
-from protocol.payload import FLOAT_DTYPES, Dense, LowRank, Payload, Quantized, Sparse, TopK
+from elasticfed.protocol.payload import FLOAT_DTYPES, Dense, LowRank, Payload, Quantized, Sparse, TopK
 
 __all__ = [
     "DEFAULT_LIMITS",

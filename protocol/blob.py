@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from protocol.manifest import Manifest
-from protocol.payload import FLOAT_DTYPES, checksum
+from elasticfed.protocol.manifest import Manifest
+from elasticfed.protocol.payload import FLOAT_DTYPES, checksum
 
 
 def pack(manifest: Manifest, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:

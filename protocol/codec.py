@@ -18,9 +18,9 @@ import msgpack
 import numpy
 import torch
 
-from protocol.errors import ProtocolError, Reason
-from protocol.manifest import Manifest
-from protocol.messages import (
+from elasticfed.protocol.errors import ProtocolError, Reason
+from elasticfed.protocol.manifest import Manifest
+from elasticfed.protocol.messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     Blob,
@@ -32,7 +32,7 @@ from protocol.messages import (
     Str,
     UInt,
 )
-from protocol.payload import (
+from elasticfed.protocol.payload import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     INT8_MAX,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import msgpack
 import torch
 
-from protocol.payload import FLOAT_DTYPES, MAX_DIMS, dtype_name
+from elasticfed.protocol.payload import FLOAT_DTYPES, MAX_DIMS, dtype_name
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from protocol.errors import ProtocolError, Reason
-from protocol.manifest import Manifest
-from protocol.payload import Dense, Payload, Sparse
+from elasticfed.protocol.errors import ProtocolError, Reason
+from elasticfed.protocol.manifest import Manifest
+from elasticfed.protocol.payload import Dense, Payload, Sparse
 
 PROTOCOL_VERSION = 1
 UINT_MAX = 2**63 - 1

@@ -10,8 +10,8 @@ import torch
 from fleet import Proc
 from netns import netns_lab, netns_swept  # noqa: F401  (fixtures for tests/test_real_loss.py)
 
-from protocol import Manifest, Message
-from protocol.payload import Dense, LowRank, Quantized, Sparse, TopK
+from elasticfed.protocol import Manifest, Message
+from elasticfed.protocol.payload import Dense, LowRank, Quantized, Sparse, TopK
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from cloud.layerwise import LayerwiseDDP
+from elasticfed.cloud.layerwise import LayerwiseDDP
 
 
 class MLP(nn.Module):
@@ -295,7 +295,7 @@ def error_feedback(rank: int, world: int, specs: list[str], steps: int = 5) -> d
     shared approximation, the same identity is checked summed over ranks, with
     the received sums.
     """
-    from cloud import collectives, compression
+    from elasticfed.cloud import collectives, compression
 
     sent: dict[str, list[torch.Tensor]] = {}
     real_all_reduce, real_all_gather = collectives.UnitComm.all_reduce, collectives.UnitComm.all_gather
@@ -402,9 +402,9 @@ def divergence_is_named(rank: int, world: int) -> dict[str, Any]:
 
 def train_digits(rank: int, world: int, compressions: list[str], epochs: int = 20) -> dict[str, Any]:
     """Train the embedded digits task once per compression; report accuracy and bytes."""
-    from cloud.config import SyncSettings, TrainSettings
-    from cloud.train import train
-    from common.tasks.digits import task
+    from elasticfed.cloud.config import SyncSettings, TrainSettings
+    from elasticfed.cloud.train import train
+    from elasticfed.common.tasks.digits import task
 
     out = {}
     for spec in compressions:
@@ -442,9 +442,9 @@ def edge_mixing(rank: int, world: int, weight: float, steps: int = 4) -> dict[st
     seed_gradients, backward, end_step).  Each rank also computes its own plain
     gradient on a copy, and the all-gathered copies give the expected result.
     """
-    from cloud.gateway import Gateway
-    from cloud.hybrid import EdgeMixing, EdgeRounds
-    from common.hooks import trainable_parameters
+    from elasticfed.cloud.gateway import Gateway
+    from elasticfed.cloud.hybrid import EdgeMixing, EdgeRounds
+    from elasticfed.common.hooks import trainable_parameters
 
     torch.manual_seed(0)
     module = MLP()
@@ -506,9 +506,9 @@ def edge_mixing(rank: int, world: int, weight: float, steps: int = 4) -> dict[st
 def edge_mixing_drain(rank: int, world: int, edges: str, drain_s: float) -> dict[str, Any]:
     """After the planned epochs (done after step 3) the job trains on while edges are heard, at most
     `drain_s`.  `edges`: "heard" (a heartbeat before every step), "quiet" (none since the start)."""
-    from cloud.gateway import Gateway
-    from cloud.hybrid import EdgeMixing, EdgeRounds
-    from common.hooks import trainable_parameters
+    from elasticfed.cloud.gateway import Gateway
+    from elasticfed.cloud.hybrid import EdgeMixing, EdgeRounds
+    from elasticfed.common.hooks import trainable_parameters
 
     torch.manual_seed(0)
     module = MLP()
@@ -545,9 +545,9 @@ def edge_mixing_stops(rank: int, world: int, why: str) -> dict[str, Any]:
     at the same step, and the round queued before the stop is still mixed in."""
     import threading
 
-    from cloud.gateway import Gateway
-    from cloud.hybrid import EdgeMixing, EdgeRounds
-    from common.hooks import trainable_parameters
+    from elasticfed.cloud.gateway import Gateway
+    from elasticfed.cloud.hybrid import EdgeMixing, EdgeRounds
+    from elasticfed.common.hooks import trainable_parameters
 
     torch.manual_seed(0)
     module = MLP()

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from common.checkpoint import write_tensors
-from edge.agent import ElasticEdge
-from edge.session import SessionOptions
+from elasticfed.common.checkpoint import write_tensors
+from elasticfed.edge.agent import ElasticEdge
+from elasticfed.edge.session import SessionOptions
 
 
 def small_model() -> nn.Module:

@@ -26,10 +26,10 @@ from typing import Any, TypeVar
 import torch
 import zmq
 
-from cloud.config import CloudConfig, GatewaySettings
-from cloud.gateway import Gateway
-from cloud.serve import build_gateway
-from common.task import load_task
+from elasticfed.cloud.config import CloudConfig, GatewaySettings
+from elasticfed.cloud.gateway import Gateway
+from elasticfed.cloud.serve import build_gateway
+from elasticfed.common.task import load_task
 
 REPO = Path(__file__).resolve().parents[1]
 Event = dict[str, Any]
@@ -154,12 +154,12 @@ class Proc:
 
 
 def edge(endpoint: str, client_id: str, *flags: str) -> Proc:
-    """`python -m edge` on the digits task, quiet; --insecure (tests/test_security.py covers CURVE).
+    """`python -m elasticfed.edge` on the digits task, quiet; --insecure (test_security.py covers CURVE).
 
     Nothing is saved unless the flags give a --state-dir (tests must not share state).
     """
     argv = [
-        sys.executable, "-m", "edge", "--gateway", endpoint, "--client-id", client_id,
+        sys.executable, "-m", "elasticfed.edge", "--gateway", endpoint, "--client-id", client_id,
         "--insecure", "--log-level", "warning", "--state-dir", "", *flags,
     ]  # fmt: skip
     return Proc(argv, client_id)
@@ -167,7 +167,7 @@ def edge(endpoint: str, client_id: str, *flags: str) -> Proc:
 
 def gateway_process(port: int, *flags: str) -> Proc:
     argv = [
-        sys.executable, "-m", "common.cli", "cloud", "serve", "--mode", "standalone",
+        sys.executable, "-m", "elasticfed.common.cli", "cloud", "serve", "--mode", "standalone",
         "--gateway-bind", f"tcp://127.0.0.1:{port}", "--insecure", "--log-level", "warning",
         "--gateway-checkpoint-dir", "", *flags,
     ]  # fmt: skip
@@ -282,9 +282,9 @@ def train_digits(agent: Any, seconds: float, shard_index: int = 0, parts: int = 
     """SGD on a digits shard through `agent` (an ElasticEdge) for `seconds` of wall time."""
     from torch.utils.data import DataLoader
 
-    from common.task import load_task, shard
+    from elasticfed.common.task import load_task, shard
 
-    task = load_task("common.tasks.digits:task")
+    task = load_task("elasticfed.common.tasks.digits:task")
     opt = torch.optim.SGD(agent.parameters(), lr=0.01)
     # As the README's loop does: the gateway then moves by the edge's rate.  Unsaid, it assumes
     # the task's (0.05, five times this) and a stale backlog applied at five times the steps the

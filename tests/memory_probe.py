@@ -24,8 +24,8 @@ import time
 import torch
 from torch import nn
 
-from edge.agent import ElasticEdge
-from edge.session import SessionOptions
+from elasticfed.edge.agent import ElasticEdge
+from elasticfed.edge.session import SessionOptions
 
 SCALE = 30.0
 OUTAGE_STEPS = 3000

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import zmq
 
-from common.keys import KeyPair, configure_client
-from protocol import (
+from elasticfed.common.keys import KeyPair, configure_client
+from elasticfed.protocol import (
     Ack,
     Commit,
     Dense,

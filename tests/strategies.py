@@ -7,7 +7,7 @@ import math
 import torch
 from hypothesis import strategies as st
 
-from protocol import (
+from elasticfed.protocol import (
     Ack,
     Commit,
     Dense,
@@ -29,7 +29,7 @@ from protocol import (
     TopK,
     Welcome,
 )
-from protocol.messages import UINT_MAX
+from elasticfed.protocol.messages import UINT_MAX
 
 FLOATS = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 uints = st.integers(0, UINT_MAX)

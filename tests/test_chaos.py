@@ -56,7 +56,7 @@ EDGE_FLAGS = [
 
 def start_gateway(endpoint: str, directory: Path, procs: list[Proc]) -> tuple[Proc, dict[str, Any]]:
     argv = [
-        sys.executable, "-m", "common.cli", "cloud", "serve", "--mode", "standalone",
+        sys.executable, "-m", "elasticfed.common.cli", "cloud", "serve", "--mode", "standalone",
         "--gateway-bind", endpoint, "--insecure", "--log-level", "warning",
         "--gateway-checkpoint-dir", str(directory), *GATEWAY_FLAGS,
     ]  # fmt: skip
@@ -68,7 +68,7 @@ def start_gateway(endpoint: str, directory: Path, procs: list[Proc]) -> tuple[Pr
 
 def start_edge(endpoint: str, i: int, state: Path, procs: list[Proc]) -> tuple[Proc, dict[str, Any]]:
     argv = [
-        sys.executable, "-m", "edge", "--gateway", endpoint, "--client-id", f"edge-{i}",
+        sys.executable, "-m", "elasticfed.edge", "--gateway", endpoint, "--client-id", f"edge-{i}",
         "--insecure", "--log-level", "warning", "--train-shard", f"{i}/{EDGES}",
         "--faults", f"loss=0.3,seed={i + 1}", "--state-dir", str(state / f"edge-{i}"),
         "--train-duration-s", "600", *EDGE_FLAGS,
@@ -228,7 +228,7 @@ def test_cloud_serve_with_its_defaults_trains_through_loss_and_three_gateway_kil
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     folder = tmp_path / "gateway"
     argv = [
-        sys.executable, "-m", "common.cli", "cloud", "serve", "--mode", "standalone",
+        sys.executable, "-m", "elasticfed.common.cli", "cloud", "serve", "--mode", "standalone",
         "--gateway-bind", endpoint, "--insecure", "--log-level", "warning",
         "--gateway-checkpoint-dir", str(folder),
     ]  # fmt: skip
@@ -246,7 +246,7 @@ def test_cloud_serve_with_its_defaults_trains_through_loss_and_three_gateway_kil
             [
                 sys.executable,
                 "-m",
-                "edge",
+                "elasticfed.edge",
                 "--gateway",
                 endpoint,
                 "--client-id",

@@ -16,8 +16,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from common import checkpoint
-from common.checkpoint import (
+from elasticfed.common import checkpoint
+from elasticfed.common.checkpoint import (
     CheckpointError,
     CheckpointStore,
     load_optimizer_state,

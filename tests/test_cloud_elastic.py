@@ -33,7 +33,8 @@ def job(tmp: Path, marker: str, restarts: int = 0, checkpoints: Path | None = No
     env.pop("WORLD_SIZE", None)
     env["ELASTICFED_TEST_JOB"] = marker  # inherited by the workers: how the test finds them
     cmd = [
-        str(torchrun), "--standalone", "--nproc_per_node=2", f"--max-restarts={restarts}", "-m", "cloud",
+        str(torchrun), "--standalone", "--nproc_per_node=2", f"--max-restarts={restarts}", "-m",
+        "elasticfed.cloud",
         "--train-epochs", str(EPOCHS), "--train-backend", "gloo", "--log-level", "info",
         # A restarted round whose gloo rendezvous fails (torch reuses the store; seen in CI as
         # "connectFullMesh ... Connection refused") then fails in 30 s and torchrun tries again,

@@ -176,7 +176,7 @@ def test_torchrun_trains_digits_out_of_the_box(tmp_path: Path) -> None:
         "--standalone",
         "--nproc_per_node=2",
         "-m",
-        "cloud",
+        "elasticfed.cloud",
         "--train-epochs",
         "20",
         "--log-level",
@@ -191,7 +191,7 @@ def test_torchrun_trains_digits_out_of_the_box(tmp_path: Path) -> None:
 
 def test_bad_task_is_refused_clearly(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "cloud", "--task", "no_such_module:task"],
+        [sys.executable, "-m", "elasticfed.cloud", "--task", "no_such_module:task"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ast
 import glob
+import json
+import os
 import shutil
 import subprocess
 import sys
@@ -73,15 +75,58 @@ def test_a_real_python_310_compiles_everything() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def _top(module: str) -> str:
+    """The package an import names: elasticfed.cloud.gateway -> cloud (the installed name); a bare
+    `cloud` stays `cloud` (and is refused by test_imports_name_the_installed_package)."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "elasticfed" and len(parts) > 1 else parts[0]
+
+
 def _imports(package: str) -> set[tuple[str, str]]:
     found = set()
     for path in (ROOT / package).rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
-                found |= {(str(path.relative_to(ROOT)), alias.name.split(".")[0]) for alias in node.names}
+                found |= {(str(path.relative_to(ROOT)), _top(alias.name)) for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                found.add((str(path.relative_to(ROOT)), node.module.split(".")[0]))
+                found.add((str(path.relative_to(ROOT)), _top(node.module)))
     return found
+
+
+def _bare_imports(folder: Path) -> list[tuple[str, str]]:
+    bad = []
+    for path in folder.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            bad += [(str(path.relative_to(ROOT)), n) for n in names if n.split(".")[0] in PACKAGES]
+    return bad
+
+
+def test_imports_name_the_installed_package() -> None:
+    """What is installed is elasticfed.cloud, elasticfed.edge, ...: a bare `import cloud` works only
+    from a checkout's root, and there as a second copy of every module it reaches."""
+    bad = [b for folder in (*PACKAGES, "tests", "benchmarks") for b in _bare_imports(ROOT / folder)]
+    assert not bad, bad[:5]
+
+
+def test_the_installed_package_is_elasticfed_and_nothing_generic() -> None:
+    """After `pip install`, from any directory: elasticfed.* imports, and no top-level `common`,
+    `protocol`, `cloud` or `edge` comes from this project (they would collide with other packages)."""
+    probe = (
+        "import importlib.util, json\n"
+        "import elasticfed.cloud.gateway, elasticfed.edge.agent, elasticfed.protocol, elasticfed.common.cli\n"
+        f"print(json.dumps({{n: importlib.util.find_spec(n) is not None for n in {PACKAGES!r}}}))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd="/", env=env, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.splitlines()[-1]) == {n: False for n in PACKAGES}
 
 
 @pytest.mark.parametrize(
@@ -105,7 +150,7 @@ def _module_graph() -> dict[str, set[str]]:
     modules = {}
     for package in PACKAGES:
         for path in (ROOT / package).rglob("*.py"):
-            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            name = ".".join(("elasticfed", *path.relative_to(ROOT).with_suffix("").parts))
             modules[name.removesuffix(".__init__")] = path
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
@@ -175,7 +220,8 @@ def test_no_import_circle_among_the_product_modules() -> None:
     """A module that needs another's object back (a checkpoint writer calling its owner) takes a
     value instead: cloud/durability.py's GatewayState, edge/persistence.py's Loaded."""
     graph = _module_graph()
-    assert len(graph) > 50 and "edge.session" in graph["edge.run"] | graph["edge.agent"]
+    assert len(graph) > 50
+    assert "elasticfed.edge.session" in graph["elasticfed.edge.run"] | graph["elasticfed.edge.agent"]
     assert _circles(graph) == []
 
 

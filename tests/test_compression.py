@@ -14,20 +14,20 @@ import pytest
 import torch
 from fleet import gateway_thread, train_digits
 
-from common import topk
-from common.checkpoint import CheckpointError
-from common.link import Faults
-from common.task import load_task
-from common.topk import largest_magnitudes
-from edge.agent import ElasticEdge
-from edge.cache import GradientCache
-from edge.compression import INT8_CHUNK, AutoCompression, UplinkCompression, quantize
-from edge.persistence import MASS_AUDIT_FILE, read_mass_audit, write_mass_audit
-from edge.session import SessionOptions
-from protocol import LayerGradient, Push, Sparse, decode, encode
-from protocol.payload import payload_bytes
+from elasticfed.common import topk
+from elasticfed.common.checkpoint import CheckpointError
+from elasticfed.common.link import Faults
+from elasticfed.common.task import load_task
+from elasticfed.common.topk import largest_magnitudes
+from elasticfed.edge.agent import ElasticEdge
+from elasticfed.edge.cache import GradientCache
+from elasticfed.edge.compression import INT8_CHUNK, AutoCompression, UplinkCompression, quantize
+from elasticfed.edge.persistence import MASS_AUDIT_FILE, read_mass_audit, write_mass_audit
+from elasticfed.edge.session import SessionOptions
+from elasticfed.protocol import LayerGradient, Push, Sparse, decode, encode
+from elasticfed.protocol.payload import payload_bytes
 
-TASK = load_task("common.tasks.digits:task")
+TASK = load_task("elasticfed.common.tasks.digits:task")
 SPECS = ["fp16", "int8", "topk:0.01", "topk:0.01+fp16", "topk:0.01+int8"]
 
 

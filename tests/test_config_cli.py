@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from cloud.config import CloudConfig, GatewaySettings
-from cloud.gateway import GatewayOptions
-from common import config as cfg
-from common.cli import EXIT_USAGE, main
-from edge.config import EdgeConfig
+from elasticfed.cloud.config import CloudConfig, GatewaySettings
+from elasticfed.cloud.gateway import GatewayOptions
+from elasticfed.common import config as cfg
+from elasticfed.common.cli import EXIT_USAGE, main
+from elasticfed.edge.config import EdgeConfig
 
 
 def write(tmp_path: Path, text: str, name: str = "edge.toml") -> Path:
@@ -90,7 +90,7 @@ def test_printed_config_reads_back_equal(tmp_path: Path, cls: type, overrides: d
 
 
 def test_compression_specs() -> None:
-    from common.shared_settings import compression
+    from elasticfed.common.shared_settings import compression
 
     for good in ("none", "fp16", "bf16", "topk:0.01", "topk:1", "powersgd:4"):
         assert compression(good) is None, good
@@ -125,7 +125,11 @@ def test_cli_bad_value_exits_2_naming_the_flag(capsys: pytest.CaptureFixture[str
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     return subprocess.run(
-        [sys.executable, "-m", "common.cli", *args], capture_output=True, text=True, env=env, timeout=120
+        [sys.executable, "-m", "elasticfed.common.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
 
 
@@ -172,7 +176,7 @@ def test_a_setting_of_an_unsupported_type_is_refused_at_declaration() -> None:
 
 
 def test_edge_compression_specs() -> None:
-    from edge.config import uplink_compression_spec
+    from elasticfed.edge.config import uplink_compression_spec
 
     for good in ("none", "fp16", "int8", "topk:0.01", "topk:0.001+int8", "topk:0.05+fp16"):
         assert uplink_compression_spec(good) is None, good
@@ -226,7 +230,7 @@ def test_the_buffered_rule_is_the_default_and_the_old_names_still_load_with_a_wa
 
 
 def test_edge_device_specs(capsys: pytest.CaptureFixture[str]) -> None:
-    from edge.config import device_spec
+    from elasticfed.edge.config import device_spec
 
     for good in ("auto", "cpu", "cuda", "cuda:1", "CUDA"):
         assert device_spec(good) is None, good
@@ -269,3 +273,14 @@ def test_every_gateway_setting_reaches_the_gateway_options() -> None:
     # And a gateway built in code without options serves as `cloud serve` does by default.
     default = GatewayOptions.from_settings(GatewaySettings())
     assert GatewayOptions() == default
+
+
+def test_a_task_spec_written_before_the_elasticfed_namespace_still_loads_with_a_warning() -> None:
+    from elasticfed.common.task import TaskError, load_task
+
+    with pytest.warns(FutureWarning, match="elasticfed.common.tasks.digits:task"):
+        task = load_task("common.tasks.digits:task")
+    assert task.metric == "accuracy"
+    with pytest.raises(TaskError, match="cannot import module 'elasticfed.common.nothing'"):
+        with pytest.warns(FutureWarning):
+            load_task("common.nothing:task")

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 from fleet import process_env
 
-from cloud.demo import _EdgeProcess
+from elasticfed.cloud.demo import _EdgeProcess
 
 
 def run_demo(*flags: str) -> tuple[dict, str]:
     result = subprocess.run(
-        [sys.executable, "-m", "common.cli", "demo", *flags],
+        [sys.executable, "-m", "elasticfed.common.cli", "demo", *flags],
         capture_output=True,
         text=True,
         env=process_env(),
@@ -72,7 +72,7 @@ def test_demo_lossless_reaches_95_percent() -> None:
 @pytest.mark.slow
 def test_demo_refuses_bad_flags_before_starting_anything() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "common.cli", "demo", "--loss", "1.5"],
+        [sys.executable, "-m", "elasticfed.common.cli", "demo", "--loss", "1.5"],
         capture_output=True, text=True, env=process_env(), timeout=60,
     )  # fmt: skip
     assert result.returncode == 2 and "--loss" in result.stderr
@@ -114,9 +114,9 @@ def test_a_demo_whose_gateway_diverges_stops_and_says_so() -> None:
     # as a result.
     import io
 
-    from cloud import demo
-    from cloud.config import DemoConfig
-    from cloud.serve import EXIT_DIVERGED
+    from elasticfed.cloud import demo
+    from elasticfed.cloud.config import DemoConfig
+    from elasticfed.cloud.serve import EXIT_DIVERGED
 
     out = io.StringIO()
     figures: dict = {}

@@ -52,7 +52,7 @@ JETPACK_TORCH = "2.3.0a0+40ec155e58.nv24.03"
 def _cli(*args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.run(
-        [sys.executable, "-m", "common.cli", *args],
+        [sys.executable, "-m", "elasticfed.common.cli", *args],
         capture_output=True,
         text=True,
         env=env,
@@ -176,7 +176,7 @@ def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
 
 
 def test_unit_restarts_stops_and_confines_the_agent_as_the_cli_needs() -> None:
-    from edge.run import EXIT_REFUSED
+    from elasticfed.edge.run import EXIT_REFUSED
 
     edge = tomllib.loads((EDGE / "edge.toml").read_text())
     assert _unit_value("Service", "Restart") == "on-failure"
@@ -710,7 +710,7 @@ def test_workers_request_gpus_and_run_torchrun_with_c10d_rendezvous(tmp_path: Pa
     assert options["--rdzv-endpoint"] == env["RDZV_ENDPOINT"]
     assert options["--nnodes"] == env["NNODES"] and options["--nproc-per-node"] == env["NPROC_PER_NODE"]
     assert options["--rdzv-id"] and int(options["--max-restarts"]) >= 1
-    assert program[:4] == ["cloud", "serve", "--mode", "hybrid"]
+    assert program[:4] == ["elasticfed.cloud", "serve", "--mode", "hybrid"]
     # what torchrun would start, each rank: a valid `cloud serve` command line
     _check_flags(("cloud", "serve"), program[2:])
     check = _cli("cloud", "serve", *program[2:], "--print-config")
@@ -720,9 +720,9 @@ def test_workers_request_gpus_and_run_torchrun_with_c10d_rendezvous(tmp_path: Pa
 
 
 def test_python_dash_m_cloud_serve_is_cloud_serve() -> None:
-    """torchrun runs `python -m cloud serve ...`: it must reach `cloud serve`, not `cloud train`."""
+    """torchrun runs `python -m elasticfed.cloud serve ...`: it must reach `cloud serve`, not `train`."""
     result = subprocess.run(
-        [sys.executable, "-m", "cloud", "serve", "--mode", "hybrid", "--print-config"],
+        [sys.executable, "-m", "elasticfed.cloud", "serve", "--mode", "hybrid", "--print-config"],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -817,8 +817,8 @@ def _kubelet_volume(root: Path, files: dict[str, bytes], mode: int, stamp: str) 
 def test_init_container_assembles_the_key_folder_the_gateway_accepts_and_revocation_is_live(
     tmp_path: Path,
 ) -> None:
-    from cloud.admission import CurveAdmission
-    from common.keys import EnrolledDevices, KeyFileError, KeyFolder, generate
+    from elasticfed.cloud.admission import CurveAdmission
+    from elasticfed.common.keys import EnrolledDevices, KeyFileError, KeyFolder, generate
 
     operator = tmp_path / "operator"  # the folder `elasticfed keys` manages, as in sync-keys.sh
     folder = KeyFolder(operator)

@@ -9,12 +9,12 @@ import torch
 from fleet import gateway_thread, serving
 from torch import nn
 
-from cloud.aggregation import Buffered, DeadlineQuorum
-from cloud.gateway import Gateway, GatewayOptions, edge_push
-from common.task import load_task
-from edge.agent import ElasticEdge
-from edge.direction import RawGradient, SgdDirection
-from edge.session import SessionOptions
+from elasticfed.cloud.aggregation import Buffered, DeadlineQuorum
+from elasticfed.cloud.gateway import Gateway, GatewayOptions, edge_push
+from elasticfed.common.task import load_task
+from elasticfed.edge.agent import ElasticEdge
+from elasticfed.edge.direction import RawGradient, SgdDirection
+from elasticfed.edge.session import SessionOptions
 
 SETTINGS = [
     {"momentum": 0.0},
@@ -116,7 +116,7 @@ def test_an_edge_pushes_what_its_gateway_asks_for(momentum: float) -> None:
     with gateway_thread(momentum=momentum) as gateway:
         torch.manual_seed(0)
         agent = ElasticEdge(
-            load_task("common.tasks.digits:task").build_model(),
+            load_task("elasticfed.common.tasks.digits:task").build_model(),
             SessionOptions(gateway=gateway.bound_endpoint, client_id="e", timeout_s=0.5),
         )
         try:

@@ -19,12 +19,12 @@ import torch
 from test_gateway import Peer, grads_for
 from torch import nn
 
-from cloud.aggregation import DeadlineQuorum, MeanStep
-from cloud.gateway import Gateway, GatewayOptions
-from edge.compression import AutoCompression
-from edge.download import ModelDownload
-from edge.pacing import Backlog, LinkMeter, UploadCap
-from protocol import Manifest, ModelChunk, ModelFetch, Reason, blob, decode, encode
+from elasticfed.cloud.aggregation import DeadlineQuorum, MeanStep
+from elasticfed.cloud.gateway import Gateway, GatewayOptions
+from elasticfed.edge.compression import AutoCompression
+from elasticfed.edge.download import ModelDownload
+from elasticfed.edge.pacing import Backlog, LinkMeter, UploadCap
+from elasticfed.protocol import Manifest, ModelChunk, ModelFetch, Reason, blob, decode, encode
 
 CHUNK = 1024
 

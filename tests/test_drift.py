@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from common import config as cfg
-from edge.agent import ElasticEdge
-from edge.config import EdgeConfig
-from edge.drift import ControlVariates, Horizon, Proximal
-from edge.session import SessionOptions
+from elasticfed.common import config as cfg
+from elasticfed.edge.agent import ElasticEdge
+from elasticfed.edge.config import EdgeConfig
+from elasticfed.edge.drift import ControlVariates, Horizon, Proximal
+from elasticfed.edge.session import SessionOptions
 
 
 def _model() -> nn.Module:
@@ -269,8 +269,8 @@ def test_scaffold_reads_the_fleet_direction_off_a_real_gateway(
     top-k case's tolerance."""
     from fleet import serving
 
-    from cloud.aggregation import Buffered, DeadlineQuorum
-    from cloud.gateway import Gateway, GatewayOptions
+    from elasticfed.cloud.aggregation import Buffered, DeadlineQuorum
+    from elasticfed.cloud.gateway import Gateway, GatewayOptions
 
     lr = 0.01
     torch.manual_seed(0)

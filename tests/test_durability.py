@@ -18,17 +18,17 @@ import torch
 from fleet import Proc, edge, free_port, on_pump, pumped
 from torch import nn
 
-from cloud.aggregation import DeadlineQuorum
-from cloud.durability import KIND, GatewayCheckpoints, encode
-from cloud.gateway import Gateway, GatewayOptions
-from common.checkpoint import CheckpointError, read_tensors
-from common.cli import main as cli_main
-from edge.cache import GradientCache
-from edge.persistence import KIND as EDGE_KIND
-from edge.persistence import EdgeState
-from edge.persistence import export_state as export_edge_state
-from edge.session import EdgeSession, SessionOptions
-from protocol import Manifest
+from elasticfed.cloud.aggregation import DeadlineQuorum
+from elasticfed.cloud.durability import KIND, GatewayCheckpoints, encode
+from elasticfed.cloud.gateway import Gateway, GatewayOptions
+from elasticfed.common.checkpoint import CheckpointError, read_tensors
+from elasticfed.common.cli import main as cli_main
+from elasticfed.edge.cache import GradientCache
+from elasticfed.edge.persistence import KIND as EDGE_KIND
+from elasticfed.edge.persistence import EdgeState
+from elasticfed.edge.persistence import export_state as export_edge_state
+from elasticfed.edge.session import EdgeSession, SessionOptions
+from elasticfed.protocol import Manifest
 
 LR = 0.5
 CLIENT = "jetson-1"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edge.cache import MAX_HELD, GradientCache
+from elasticfed.edge.cache import MAX_HELD, GradientCache
 
 UNITS = [[("b", (4,), torch.float32), ("w", (4, 3), torch.float32)], [("v", (5,), torch.float32)]]
 MODEL_BYTES = (4 + 12 + 5) * 4

@@ -20,13 +20,13 @@ import pytest
 import torch
 from fleet import applied_by_layer, audit, edge, free_port, gateway_process, gateway_thread, model_bytes
 
-from cloud.aggregation import DeadlineQuorum, MeanStep
-from cloud.gateway import Gateway, GatewayOptions
-from common.checkpoint import read_tensors
-from common.tasks.digits import build_model
-from edge.agent import ElasticEdge
-from edge.cache import MAX_HELD
-from edge.session import EdgeRefused, SessionOptions
+from elasticfed.cloud.aggregation import DeadlineQuorum, MeanStep
+from elasticfed.cloud.gateway import Gateway, GatewayOptions
+from elasticfed.common.checkpoint import read_tensors
+from elasticfed.common.tasks.digits import build_model
+from elasticfed.edge.agent import ElasticEdge
+from elasticfed.edge.cache import MAX_HELD
+from elasticfed.edge.session import EdgeRefused, SessionOptions
 
 pytestmark = pytest.mark.slow
 

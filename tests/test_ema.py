@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from cloud.config import CloudConfig, GatewaySettings
-from cloud.durability import GatewayCheckpoints, decode
-from cloud.ema import ModelEma
-from cloud.gateway import Gateway, GatewayOptions
-from cloud.server_optimizers import server_optimizer
-from common import config as cfg
-from common.checkpoint import CheckpointError, read_tensors
+from elasticfed.cloud.config import CloudConfig, GatewaySettings
+from elasticfed.cloud.durability import GatewayCheckpoints, decode
+from elasticfed.cloud.ema import ModelEma
+from elasticfed.cloud.gateway import Gateway, GatewayOptions
+from elasticfed.cloud.server_optimizers import server_optimizer
+from elasticfed.common import config as cfg
+from elasticfed.common.checkpoint import CheckpointError, read_tensors
 from tests.test_gateway import make_model
 from tests.test_server_optimizers import rounds_of, two_edge_gateway
 

@@ -11,7 +11,7 @@ import torch
 import zmq
 from torch import nn
 
-from cloud.aggregation import (
+from elasticfed.cloud.aggregation import (
     Buffered,
     CosineDecay,
     DeadlineQuorum,
@@ -23,9 +23,9 @@ from cloud.aggregation import (
     entries,
     staleness_weight,
 )
-from cloud.delivery import DeliveryPace
-from cloud.gateway import Gateway, GatewayOptions
-from protocol import (
+from elasticfed.cloud.delivery import DeliveryPace
+from elasticfed.cloud.gateway import Gateway, GatewayOptions
+from elasticfed.protocol import (
     Ack,
     Commit,
     Dense,
@@ -43,7 +43,7 @@ from protocol import (
     decode,
     encode,
 )
-from protocol.payload import Sparse
+from elasticfed.protocol.payload import Sparse
 
 
 def make_model() -> nn.Module:
@@ -577,7 +577,7 @@ def test_the_client_table_is_bounded() -> None:
 
 
 def test_caps_are_sized_from_the_model_and_the_largest_real_messages_fit(gateway: Gateway) -> None:
-    from protocol import TopK, limits_for
+    from elasticfed.protocol import TopK, limits_for
 
     limits = limits_for(gateway.manifest)
     assert (
@@ -617,7 +617,7 @@ def msgpack_header() -> bytes:
 
 
 def test_compressed_pushes_are_refused_unless_accepted_and_refused_if_they_overflow(gateway: Gateway) -> None:
-    from protocol import TopK
+    from elasticfed.protocol import TopK
 
     i = max(range(len(gateway.params)), key=lambda j: gateway.params[j].numel())
     sparse = TopK(torch.ones(2), torch.tensor([0, 1]), tuple(gateway.params[i].shape))
@@ -717,7 +717,7 @@ def test_a_message_whose_handling_fails_costs_that_message_not_the_service() -> 
 
 
 def test_trimmed_mean_rounds_the_trim_up() -> None:
-    from cloud.aggregation import TrimmedMean
+    from elasticfed.cloud.aggregation import TrimmedMean
 
     acc = TrimmedMean(trim=0.2).accumulator(2)
     for client, value in (("a", 1.0), ("b", 2.0), ("c", 1000.0)):

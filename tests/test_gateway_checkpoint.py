@@ -12,10 +12,10 @@ import torch
 from fleet import Proc, free_port
 from test_gateway import Peer, grads_for, make_model
 
-from cloud.aggregation import DeadlineQuorum
-from cloud.durability import GatewayCheckpoints
-from cloud.gateway import Gateway, GatewayOptions
-from protocol import Welcome
+from elasticfed.cloud.aggregation import DeadlineQuorum
+from elasticfed.cloud.durability import GatewayCheckpoints
+from elasticfed.cloud.gateway import Gateway, GatewayOptions
+from elasticfed.protocol import Welcome
 
 
 def gateway_with(directory: Path, every: int = 1) -> tuple[Gateway, GatewayCheckpoints]:
@@ -95,7 +95,7 @@ def test_a_torn_or_foreign_newest_checkpoint_is_skipped_for_the_previous_good_on
         newest.write_bytes(torch.randint(0, 256, (len(data),), dtype=torch.uint8).numpy().tobytes())
     else:  # a checkpoint of another model under the newest name
         other = torch.nn.Linear(2, 2)
-        from common.checkpoint import write_tensors
+        from elasticfed.common.checkpoint import write_tensors
 
         write_tensors(
             newest, {"model/weight": other.weight.detach()}, {"manifest": "x"}, kind="elasticfed-gateway"
@@ -115,7 +115,8 @@ def test_a_torn_or_foreign_newest_checkpoint_is_skipped_for_the_previous_good_on
 def test_cloud_serve_resumes_and_says_from_where(tmp_path: Path) -> None:
     def serve() -> tuple[Proc, dict]:
         argv = [
-            sys.executable, "-m", "common.cli", "cloud", "serve", "--mode", "standalone", "--insecure",
+            sys.executable, "-m", "elasticfed.common.cli", "cloud", "serve", "--mode", "standalone",
+            "--insecure",
             "--gateway-bind", f"tcp://127.0.0.1:{free_port()}", "--gateway-checkpoint-dir", str(tmp_path),
             "--gateway-checkpoint-every-rounds", "1", "--log-level", "warning",
         ]  # fmt: skip
@@ -126,8 +127,8 @@ def test_cloud_serve_resumes_and_says_from_where(tmp_path: Path) -> None:
     assert ready["resumed_from"] is None and ready["version"] == 0
     from scripted import ScriptedDevice
 
-    from common.tasks.digits import build_model
-    from protocol import Manifest
+    from elasticfed.common.tasks.digits import build_model
+    from elasticfed.protocol import Manifest
 
     manifest = Manifest.from_parameters(build_model().named_parameters())
     dev = ScriptedDevice(ready["endpoint"], "a", manifest)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from fleet import edge, gateway_thread
 
-from edge.persistence import MASS_AUDIT_FILE, read_mass_audit
+from elasticfed.edge.persistence import MASS_AUDIT_FILE, read_mass_audit
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from cloud.planning import CommCost, best_plan, boundaries_to_plan, finish_time, plan_to_boundaries
-from common.hooks import (
+from elasticfed.cloud.planning import CommCost, best_plan, boundaries_to_plan, finish_time, plan_to_boundaries
+from elasticfed.common.hooks import (
     GradientHooks,
     HookError,
     default_block_of,

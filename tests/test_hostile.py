@@ -24,9 +24,9 @@ import torch
 from fleet import Proc, free_port
 from scripted import NoReply, ScriptedDevice
 
-from common.keys import KeyFolder, generate, read_key_file
-from common.tasks.digits import build_model
-from protocol import (
+from elasticfed.common.keys import KeyFolder, generate, read_key_file
+from elasticfed.common.tasks.digits import build_model
+from elasticfed.protocol import (
     Ack,
     Heartbeat,
     Hello,
@@ -67,7 +67,7 @@ class Keys:
 def start_gateway(keys: Keys) -> tuple[Proc, str]:
     port = free_port()
     argv = [
-        sys.executable, "-m", "common.cli", "cloud", "serve", "--mode", "standalone",
+        sys.executable, "-m", "elasticfed.common.cli", "cloud", "serve", "--mode", "standalone",
         "--gateway-bind", f"tcp://127.0.0.1:{port}", "--security-keys-dir", str(keys.folder.root),
         "--gateway-quorum", "1", "--gateway-round-deadline-s", "60",
         "--gateway-max-grad-norm", str(NORM_BOUND), "--gateway-norm-policy", "reject",

@@ -31,7 +31,7 @@ EDGE_STEPS = 120
 def hybrid_job(port: int, *flags: str) -> Proc:
     argv = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-        "-m", "cloud", "serve", "--mode", "hybrid", "--insecure", "--log-level", "warning",
+        "-m", "elasticfed.cloud", "serve", "--mode", "hybrid", "--insecure", "--log-level", "warning",
         "--gateway-bind", f"tcp://127.0.0.1:{port}", "--train-backend", "gloo",
         "--train-shard", "0/2", "--train-epochs", "30", "--sync-check-every", "1",
         "--gateway-quorum", "2", "--gateway-round-deadline-s", "0.2",
@@ -109,7 +109,7 @@ def test_a_mixing_step_is_the_weighted_sum_on_every_rank(weight: float, tmp_path
 @pytest.mark.slow
 def test_started_without_torchrun_it_starts_torchrun_itself(procs: list[Proc]) -> None:
     argv = [
-        sys.executable, "-m", "common.cli", "cloud", "serve", "--mode", "hybrid", "--insecure",
+        sys.executable, "-m", "elasticfed.common.cli", "cloud", "serve", "--mode", "hybrid", "--insecure",
         "--log-level", "warning", "--gateway-bind", f"tcp://127.0.0.1:{free_port()}",
         "--gateway-checkpoint-dir", "", "--train-backend", "gloo", "--train-epochs", "2",
         "--hybrid-nproc-per-node", "2", "--sync-check-every", "1",
@@ -124,8 +124,8 @@ def test_started_without_torchrun_it_starts_torchrun_itself(procs: list[Proc]) -
 
 LIFETIME = """
 import json, signal, sys, weakref
-import cloud.hybrid as hybrid
-from common.cli import main
+import elasticfed.cloud.hybrid as hybrid
+from elasticfed.common.cli import main
 
 refs = []
 original = hybrid.EdgeMixing.__init__
@@ -166,9 +166,9 @@ def test_a_hybrid_worker_frees_its_process_groups_before_python_shuts_down(procs
 
 def test_hybrid_gateway_announces_and_judges_by_the_model_it_serves() -> None:
     """Rounds waiting for the trainer do not make an edge stale: it cannot download them yet."""
-    from cloud.aggregation import DeadlineQuorum, MeanStep
-    from cloud.gateway import Gateway, GatewayOptions
-    from cloud.hybrid import EdgeRounds
+    from elasticfed.cloud.aggregation import DeadlineQuorum, MeanStep
+    from elasticfed.cloud.gateway import Gateway, GatewayOptions
+    from elasticfed.cloud.hybrid import EdgeRounds
     from tests.test_gateway import Peer, grads_for, make_model
 
     rounds = EdgeRounds(max_queued=2)
@@ -206,7 +206,8 @@ def test_hybrid_gateway_announces_and_judges_by_the_model_it_serves() -> None:
 
 def test_a_cloud_part_smaller_than_a_batch_is_refused_at_start(procs: list[Proc]) -> None:
     argv = [
-        sys.executable, "-m", "cloud", "serve", "--mode", "hybrid", "--insecure", "--log-level", "warning",
+        sys.executable, "-m", "elasticfed.cloud", "serve", "--mode", "hybrid", "--insecure",
+        "--log-level", "warning",
         "--gateway-bind", f"tcp://127.0.0.1:{free_port()}", "--gateway-checkpoint-dir", "",
         "--train-backend", "gloo", "--train-shard", "0/2", "--train-batch-size", "4096",
     ]  # fmt: skip

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.link import Backoff, Faults, FaultyChannel, RecentMax
+from elasticfed.common.link import Backoff, Faults, FaultyChannel, RecentMax
 
 
 def channel(faults: Faults, stream: int = 0) -> FaultyChannel[int]:

@@ -36,8 +36,8 @@ from fleet import (
     process_env,
 )
 
-from common.cli import EXIT_USAGE, main
-from common.link import TokenBucket
+from elasticfed.common.cli import EXIT_USAGE, main
+from elasticfed.common.link import TokenBucket
 
 LOCAL = "tcp://127.0.0.1:0"
 
@@ -51,7 +51,7 @@ def linksim() -> Iterator[Callable[..., Started]]:
     started: list[Proc] = []
 
     def start(*flags: str) -> Started:
-        argv = [sys.executable, "-m", "common.cli", "linksim", "--listen", LOCAL, *flags]
+        argv = [sys.executable, "-m", "elasticfed.common.cli", "linksim", "--listen", LOCAL, *flags]
         proc = Proc(argv, "linksim")
         started.append(proc)
         ready = proc.wait_for(lambda e: e.get("event") == "ready", 30, "a ready event")
@@ -475,7 +475,7 @@ def test_e_bad_settings_exit_2_naming_the_flag(
 
 def test_e_the_command_refuses_loss_in_tcp_mode_and_a_missing_upstream() -> None:
     def run(*args: str) -> subprocess.CompletedProcess[str]:
-        argv = [sys.executable, "-m", "common.cli", "linksim", *args]
+        argv = [sys.executable, "-m", "elasticfed.common.cli", "linksim", *args]
         return subprocess.run(argv, capture_output=True, text=True, env=process_env(), cwd=REPO, timeout=60)
 
     tcp_loss = run("--layer", "tcp", "--upstream", "tcp://127.0.0.1:1", "--faults", "loss=0.3")

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from common.logs import configure_logging
+from elasticfed.common.logs import configure_logging
 
 
 @pytest.fixture

@@ -18,14 +18,14 @@ import zmq
 from fleet import applied_by_layer, gateway_thread, train_digits
 from torch import nn
 
-from common.link import Faults
-from common.task import load_task
-from edge.agent import ElasticEdge
-from edge.cache import GradientCache
-from edge.session import EdgeSession, SessionOptions
-from protocol import Ack, Heartbeat, Hello, Manifest, Message, Push, Welcome, decode, encode
+from elasticfed.common.link import Faults
+from elasticfed.common.task import load_task
+from elasticfed.edge.agent import ElasticEdge
+from elasticfed.edge.cache import GradientCache
+from elasticfed.edge.session import EdgeSession, SessionOptions
+from elasticfed.protocol import Ack, Heartbeat, Hello, Manifest, Message, Push, Welcome, decode, encode
 
-TASK = load_task("common.tasks.digits:task")
+TASK = load_task("elasticfed.common.tasks.digits:task")
 
 
 def train(

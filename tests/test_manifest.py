@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from protocol import LayerSpec, Manifest
+from elasticfed.protocol import LayerSpec, Manifest
 
 
 class Tied(torch.nn.Module):

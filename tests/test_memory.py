@@ -23,11 +23,11 @@ from fleet import Proc, free_port, gateway_process, pumped
 from memory_probe import build_model
 from scripted import ScriptedDevice
 
-from cloud.aggregation import DeadlineQuorum, MeanStep
-from cloud.durability import GatewayCheckpoints
-from cloud.gateway import Gateway, GatewayOptions
-from common.tasks.digits import build_model as digits_model
-from protocol import Ack, Dense, LayerGradient, Manifest, Push, Welcome
+from elasticfed.cloud.aggregation import DeadlineQuorum, MeanStep
+from elasticfed.cloud.durability import GatewayCheckpoints
+from elasticfed.cloud.gateway import Gateway, GatewayOptions
+from elasticfed.common.tasks.digits import build_model as digits_model
+from elasticfed.protocol import Ack, Dense, LayerGradient, Manifest, Push, Welcome
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from common.metrics import LATENCY_BUCKETS_S, Metrics
+from elasticfed.common.metrics import LATENCY_BUCKETS_S, Metrics
 
 
 def test_counters_histograms_and_snapshot() -> None:

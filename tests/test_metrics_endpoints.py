@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.metrics_http import serve_metrics
-from common.task import load_task
-from edge.agent import ElasticEdge
-from edge.session import SessionOptions
+from elasticfed.common.metrics_http import serve_metrics
+from elasticfed.common.task import load_task
+from elasticfed.edge.agent import ElasticEdge
+from elasticfed.edge.session import SessionOptions
 from tests.fleet import Proc, edge, free_port, gateway_process, gateway_thread
 from tests.test_metrics_http import expected, samples, scrape
 
@@ -80,7 +80,7 @@ def test_gateway_endpoint_counts_what_edges_delivered(procs: list[Proc]) -> None
 
 
 def test_agent_endpoint_equals_the_agents_own_counters() -> None:
-    task = load_task("common.tasks.digits:task")
+    task = load_task("elasticfed.common.tasks.digits:task")
     torch.manual_seed(0)
     model = task.build_model()
     data = torch.utils.data.DataLoader(task.train_set(), batch_size=32, shuffle=True)

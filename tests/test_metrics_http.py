@@ -11,8 +11,8 @@ import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_families
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.metrics import LATENCY_BUCKETS_S, Metrics
-from common.metrics_http import MetricsServer, parse_bind, serve_metrics
+from elasticfed.common.metrics import LATENCY_BUCKETS_S, Metrics
+from elasticfed.common.metrics_http import MetricsServer, parse_bind, serve_metrics
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -160,8 +160,8 @@ def test_render_prometheus_and_the_endpoint_are_one_format(servers) -> None:
 
 
 def test_the_real_gateway_and_edge_registries_keep_their_names() -> None:
-    from cloud.gateway import GatewayMetrics
-    from edge.session import EdgeMetrics
+    from elasticfed.cloud.gateway import GatewayMetrics
+    from elasticfed.edge.session import EdgeMetrics
 
     for owner in (GatewayMetrics(), EdgeMetrics()):
         m = owner.registry

@@ -6,7 +6,7 @@ import io
 import os
 import pty
 
-from common.progress import ProgressBar
+from elasticfed.common.progress import ProgressBar
 
 
 def test_not_a_terminal_gets_nothing() -> None:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import msgpack
 import torch
 
-from protocol import (
+from elasticfed.protocol import (
     Ack,
     Dense,
     Heartbeat,

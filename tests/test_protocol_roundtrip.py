@@ -8,7 +8,7 @@ import torch
 import zmq
 from hypothesis import given, settings
 
-from protocol import (
+from elasticfed.protocol import (
     Dense,
     LayerGradient,
     LayerTensor,
@@ -22,7 +22,7 @@ from protocol import (
     decode,
     encode,
 )
-from protocol.payload import FLOAT_DTYPES
+from elasticfed.protocol.payload import FLOAT_DTYPES
 from tests.conftest import same_message
 from tests.strategies import messages, payloads
 

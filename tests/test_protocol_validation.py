@@ -10,7 +10,7 @@ import msgpack
 import pytest
 import torch
 
-from protocol import (
+from elasticfed.protocol import (
     Ack,
     Dense,
     Hello,
@@ -30,7 +30,7 @@ from protocol import (
     decode,
     encode,
 )
-from protocol.payload import checksum
+from elasticfed.protocol.payload import checksum
 
 MANIFEST = Manifest.from_parameters(
     [("enc.weight", torch.nn.Parameter(torch.zeros(4, 3))), ("enc.bias", torch.nn.Parameter(torch.zeros(4)))]
@@ -428,7 +428,7 @@ def test_limits_reject_nonsense() -> None:
 def test_socket_refuses_oversized_frames_before_they_reach_the_decoder() -> None:
     import zmq
 
-    from protocol import apply_limits
+    from elasticfed.protocol import apply_limits
 
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
@@ -455,7 +455,7 @@ def test_socket_refuses_oversized_frames_before_they_reach_the_decoder() -> None
 
 
 def _chunk_frames() -> list[bytes]:
-    from protocol import ModelChunk
+    from elasticfed.protocol import ModelChunk
 
     return [bytes(f) for f in encode(ModelChunk(version=2, size=64, digest=7, offset=0, data=b"\x01" * 32))]
 

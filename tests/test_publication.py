@@ -16,17 +16,17 @@ import torch
 from fleet import gateway_thread, train_digits
 from torch import nn
 
-from cloud.publication import PublicModel, downlink_ratio
-from common.link import Faults
-from common.task import load_task
-from edge.agent import ElasticEdge
-from edge.download import ModelDownload
-from edge.session import SessionOptions
-from protocol import LayerTensor, Manifest, ModelChunk, ModelPatch, blob, decode, encode
-from protocol.payload import Dense, Sparse
+from elasticfed.cloud.publication import PublicModel, downlink_ratio
+from elasticfed.common.link import Faults
+from elasticfed.common.task import load_task
+from elasticfed.edge.agent import ElasticEdge
+from elasticfed.edge.download import ModelDownload
+from elasticfed.edge.session import SessionOptions
+from elasticfed.protocol import LayerTensor, Manifest, ModelChunk, ModelPatch, blob, decode, encode
+from elasticfed.protocol.payload import Dense, Sparse
 
 CHUNK = 4096
-TASK = load_task("common.tasks.digits:task")
+TASK = load_task("elasticfed.common.tasks.digits:task")
 
 
 def make_model() -> nn.Module:

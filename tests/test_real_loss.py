@@ -35,8 +35,8 @@ import pytest
 from fleet import Proc, model_bytes
 from netns import EdgeNet, Lab, lab_edge
 
-from common.tasks.digits import build_model
-from edge.cache import MAX_HELD
+from elasticfed.common.tasks.digits import build_model
+from elasticfed.edge.cache import MAX_HELD
 
 pytestmark = [pytest.mark.slow, pytest.mark.netns]
 
@@ -64,7 +64,7 @@ EDGE_GROWTH_BYTES = 64 << 20
 def start_gateway(lab: Lab, procs: list[Proc], *flags: str) -> tuple[Proc, str]:
     endpoint = f"tcp://{lab.gateway_address}:{lab.free_port()}"
     argv = [
-        sys.executable, "-m", "common.cli", "cloud", "serve", "--mode", "standalone",
+        sys.executable, "-m", "elasticfed.common.cli", "cloud", "serve", "--mode", "standalone",
         "--gateway-bind", endpoint, "--insecure", "--log-level", "warning", "--gateway-checkpoint-dir", "",
         *GATEWAY_FLAGS, *flags,
     ]  # fmt: skip
@@ -76,7 +76,8 @@ def start_gateway(lab: Lab, procs: list[Proc], *flags: str) -> tuple[Proc, str]:
 
 def start_edge(net: EdgeNet, endpoint: str, client: str, shard: str, procs: list[Proc], *flags: str) -> Proc:
     argv = [
-        "nice", "-n", "10", sys.executable, "-m", "edge", "--gateway", endpoint, "--client-id", client,
+        "nice", "-n", "10", sys.executable, "-m", "elasticfed.edge", "--gateway", endpoint,
+        "--client-id", client,
         "--insecure", "--log-level", "warning", "--train-shard", shard, "--state-dir", "",
         *EDGE_FLAGS, *flags,
     ]  # fmt: skip

@@ -13,9 +13,15 @@ import torch
 from fleet import serving
 from scripted import ScriptedDevice
 
-from cloud.aggregation import Aggregation, CoordinateMedian, DeadlineQuorum, MeanAggregation, TrimmedMean
-from cloud.gateway import Gateway, GatewayOptions
-from protocol import Ack, Manifest, Welcome
+from elasticfed.cloud.aggregation import (
+    Aggregation,
+    CoordinateMedian,
+    DeadlineQuorum,
+    MeanAggregation,
+    TrimmedMean,
+)
+from elasticfed.cloud.gateway import Gateway, GatewayOptions
+from elasticfed.protocol import Ack, Manifest, Welcome
 
 LR = 0.1
 BOUND = 1.0

@@ -20,15 +20,15 @@ import zmq
 from fleet import free_port, pumped
 from scripted import NoReply, ScriptedDevice
 
-from cloud.admission import CurveAdmission
-from cloud.aggregation import DeadlineQuorum
-from cloud.durability import GatewayCheckpoints
-from cloud.gateway import Gateway, GatewayOptions
-from common.cli import main
-from common.keys import EnrolledDevices, KeyFileError, KeyFolder, generate, read_key_file
-from edge.agent import ElasticEdge
-from edge.session import EdgeRefused, SessionOptions
-from protocol import Ack, Manifest, Reject, Welcome
+from elasticfed.cloud.admission import CurveAdmission
+from elasticfed.cloud.aggregation import DeadlineQuorum
+from elasticfed.cloud.durability import GatewayCheckpoints
+from elasticfed.cloud.gateway import Gateway, GatewayOptions
+from elasticfed.common.cli import main
+from elasticfed.common.keys import EnrolledDevices, KeyFileError, KeyFolder, generate, read_key_file
+from elasticfed.edge.agent import ElasticEdge
+from elasticfed.edge.session import EdgeRefused, SessionOptions
+from elasticfed.protocol import Ack, Manifest, Reject, Welcome
 
 
 def small_model() -> torch.nn.Module:
@@ -304,7 +304,7 @@ def test_a_revoked_edge_agent_stops_with_a_clear_error(fleet: Fleet) -> None:
 def test_insecure_mode_says_so_at_start_and_in_every_round_line() -> None:
     from fleet import free_port, gateway_process
 
-    from common.tasks.digits import build_model
+    from elasticfed.common.tasks.digits import build_model
 
     gateway = gateway_process(free_port(), "--gateway-max-rounds", "2", "--gateway-quorum", "1")
     endpoint = gateway.wait_for(lambda e: e.get("event") == "ready", 60, "ready")["endpoint"]
@@ -451,7 +451,7 @@ def test_a_gateway_whose_zap_endpoint_is_still_held_waits_for_it_and_then_authen
 def test_a_zap_endpoint_held_too_long_is_a_clear_error_and_leaves_nothing_half_started(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import cloud.admission as adm
+    import elasticfed.cloud.admission as adm
 
     monkeypatch.setattr(adm, "ZAP_BIND_WAIT_S", 0.1)
     keys, _ = _curve_setup(tmp_path)

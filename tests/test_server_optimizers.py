@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from cloud.aggregation import Buffered, DeadlineQuorum
-from cloud.config import CloudConfig, GatewaySettings
-from cloud.durability import GatewayCheckpoints
-from cloud.gateway import Gateway, GatewayDiverged, GatewayOptions, edge_push
-from cloud.serve import build_gateway, contradictions
-from cloud.server_optimizers import Yogi, server_optimizer
-from cloud.watch import LossWatch
-from common.task import load_task
-from protocol import Dense, LayerGradient, ModelChunk, ModelFetch, Push
+from elasticfed.cloud.aggregation import Buffered, DeadlineQuorum
+from elasticfed.cloud.config import CloudConfig, GatewaySettings
+from elasticfed.cloud.durability import GatewayCheckpoints
+from elasticfed.cloud.gateway import Gateway, GatewayDiverged, GatewayOptions, edge_push
+from elasticfed.cloud.serve import build_gateway, contradictions
+from elasticfed.cloud.server_optimizers import Yogi, server_optimizer
+from elasticfed.cloud.watch import LossWatch
+from elasticfed.common.task import load_task
+from elasticfed.protocol import Dense, LayerGradient, ModelChunk, ModelFetch, Push
 from tests.test_gateway import Peer, make_model
 
 EDGE_LR = 0.1
@@ -332,7 +332,7 @@ def test_the_loss_watch_of_a_task_measures_an_untrained_model_and_leaves_the_ran
 
 
 def test_serve_refuses_contradictory_optimizer_settings(capsys: pytest.CaptureFixture[str]) -> None:
-    from common.cli import main
+    from elasticfed.common.cli import main
 
     assert main(["cloud", "serve", "--gateway-optimizer", "adam", "--gateway-momentum", "0.5"]) == 2
     assert "--gateway-momentum 0.5 is SGD's" in capsys.readouterr().err

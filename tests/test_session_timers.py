@@ -15,12 +15,12 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from cloud.config import CloudConfig, GatewaySettings
-from cloud.serve import build_gateway
-from common.task import load_task
-from common.tasks.digits import build_model
-from edge.agent import ElasticEdge
-from edge.session import SessionOptions
+from elasticfed.cloud.config import CloudConfig, GatewaySettings
+from elasticfed.cloud.serve import build_gateway
+from elasticfed.common.task import load_task
+from elasticfed.common.tasks.digits import build_model
+from elasticfed.edge.agent import ElasticEdge
+from elasticfed.edge.session import SessionOptions
 
 
 def test_a_weak_push_over_tcp_leaves_the_io_thread_asleep() -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from common.task import shard
+from elasticfed.common.task import shard
 
 LABELS = torch.arange(400) % 10
 DATA = TensorDataset(torch.arange(400).float().unsqueeze(1), LABELS)
@@ -92,9 +92,9 @@ def test_quantity_skew_varies_sizes_not_labels() -> None:
 
 
 def test_configs_check_the_partition_when_they_load() -> None:
-    from cloud.config import DemoConfig
-    from common import config as cfg
-    from edge.config import EdgeConfig
+    from elasticfed.cloud.config import DemoConfig
+    from elasticfed.common import config as cfg
+    from elasticfed.edge.config import EdgeConfig
 
     assert cfg.load(EdgeConfig, None, {"train.partition": "dirichlet:0.1"}).train.partition == "dirichlet:0.1"
     assert cfg.load(DemoConfig, None, {"partition": "quantity:1"}).partition == "quantity:1"

@@ -45,7 +45,8 @@ def start_gateway(lab: Lab | None, procs: list[Proc]) -> tuple[Proc, str]:
     else:
         endpoint = f"tcp://{lab.gateway_address}:{lab.free_port()}"
     argv = [
-        sys.executable, "-m", "common.cli", "cloud", "serve", "--mode", "standalone", "--task", TASK,
+        sys.executable, "-m", "elasticfed.common.cli", "cloud", "serve", "--mode", "standalone",
+        "--task", TASK,
         "--gateway-bind", endpoint, "--insecure", "--log-level", "warning", "--gateway-checkpoint-dir", "",
     ]  # fmt: skip
     gateway = Proc(argv, "gateway")
@@ -56,7 +57,8 @@ def start_gateway(lab: Lab | None, procs: list[Proc]) -> tuple[Proc, str]:
 
 def start_edge(net: EdgeNet, endpoint: str, client: str, shard: str, procs: list[Proc], *flags: str) -> Proc:
     argv = [
-        "nice", "-n", "10", sys.executable, "-m", "edge", "--gateway", endpoint, "--client-id", client,
+        "nice", "-n", "10", sys.executable, "-m", "elasticfed.edge", "--gateway", endpoint,
+        "--client-id", client,
         "--task", TASK, "--insecure", "--log-level", "info", "--train-shard", shard, "--state-dir", "",
         "--train-epochs", "100000", "--status-every-s", "0.5", "--drain-s", "120", *flags,
     ]  # fmt: skip
@@ -162,7 +164,8 @@ def test_an_upload_cap_holds_what_the_device_sends(procs: list[Proc]) -> None:
     """On loopback (no link cap at all), `--upload-mbit 4`: the gateway receives at most that from it."""
     gateway, endpoint = start_gateway(None, procs)
     argv = [
-        sys.executable, "-m", "edge", "--gateway", endpoint, "--client-id", "capped", "--task", TASK,
+        sys.executable, "-m", "elasticfed.edge", "--gateway", endpoint, "--client-id", "capped",
+        "--task", TASK,
         "--insecure", "--log-level", "warning", "--state-dir", "", "--train-epochs", "100000",
         "--status-every-s", "0.5", "--upload-mbit", "4",
     ]  # fmt: skip

@@ -16,12 +16,12 @@ import pytest
 import torch
 from fleet import process_env
 
-from cloud.config import CloudConfig, DemoConfig
-from common import config as cfg
-from common.task import Task, TaskError, load_task, shard
-from common.tasks import BUILT_IN
-from common.tasks import stdlib_lm as lm
-from edge.config import EdgeConfig
+from elasticfed.cloud.config import CloudConfig, DemoConfig
+from elasticfed.common import config as cfg
+from elasticfed.common.task import Task, TaskError, load_task, shard
+from elasticfed.common.tasks import BUILT_IN
+from elasticfed.common.tasks import stdlib_lm as lm
+from elasticfed.edge.config import EdgeConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FINGERPRINT = """
 import hashlib, json, sys
 sys.path.insert(0, sys.argv[1])
-from common.tasks import stdlib_lm as lm
+from elasticfed.common.tasks import stdlib_lm as lm
 train, test = lm.train_set(128), lm.test_set(128)
 held = [p for p, out in zip(train.corpus.paths, train.corpus.held_out) if out]
 print(json.dumps({
@@ -306,7 +306,7 @@ def test_a_small_fake_stdlib_splits_by_its_own_packages(
 
 def _demo(*flags: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "common.cli", "demo", *flags],
+        [sys.executable, "-m", "elasticfed.common.cli", "demo", *flags],
         capture_output=True,
         text=True,
         env=process_env(),
@@ -338,7 +338,8 @@ def test_the_demo_refuses_a_partition_its_task_cannot_split() -> None:
 @pytest.mark.slow
 def test_an_edge_refuses_a_partition_its_task_cannot_split() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "edge", "--task", "digits", "--train-shard", "0/4", "--train-partition",
+        [sys.executable, "-m", "elasticfed.edge", "--task", "digits", "--train-shard", "0/4",
+        "--train-partition",
          "package", "--insecure", "--state-dir", ""],
         capture_output=True, text=True, env=process_env(), timeout=120,
     )  # fmt: skip

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from edge.thermal import NoThermalZones, ThermalGuard
+from elasticfed.edge.thermal import NoThermalZones, ThermalGuard
 
 
 class FakeClock:

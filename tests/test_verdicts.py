@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from cloud import verdicts
-from cloud.aggregation import Buffered, MeanStep, contribution
-from cloud.clients import ClientState
-from cloud.verdicts import Verdict
-from protocol import Dense, LayerGradient, Push, Reason
-from protocol.payload import Quantized
+from elasticfed.cloud import verdicts
+from elasticfed.cloud.aggregation import Buffered, MeanStep, contribution
+from elasticfed.cloud.clients import ClientState
+from elasticfed.cloud.verdicts import Verdict
+from elasticfed.protocol import Dense, LayerGradient, Push, Reason
+from elasticfed.protocol.payload import Quantized
 
 
 def push(seq: int, *layers: LayerGradient, base: int = 0, attempt: int = 0) -> Push:

@@ -11,8 +11,8 @@ import dataclasses
 
 from torch import nn
 
-from common.task import Task
-from common.tasks import digits
+from elasticfed.common.task import Task
+from elasticfed.common.tasks import digits
 
 HIDDEN = 1024
 

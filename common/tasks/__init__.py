@@ -2,7 +2,7 @@
 
 # Short name -> `module:function`.  Kept free of torch imports: config checks read it.
 BUILT_IN = {
-    "digits": "common.tasks.digits:task",
-    "stdlib-lm": "common.tasks.stdlib_lm:task",
-    "stdlib-lm-base": "common.tasks.stdlib_lm:base_task",
+    "digits": "elasticfed.common.tasks.digits:task",
+    "stdlib-lm": "elasticfed.common.tasks.stdlib_lm:task",
+    "stdlib-lm-base": "elasticfed.common.tasks.stdlib_lm:base_task",
 }

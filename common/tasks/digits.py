@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from common.task import Task
+from elasticfed.common.task import Task
 
 TEST_SHARE = 0.2
 SPLIT_SEED = 0

@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
 
-from common.task import Task, TaskError
+from elasticfed.common.task import Task, TaskError
 
 VOCAB = 256
 HELD_OUT_PERCENT = 7  # of files, by a stable hash of their path: about 7% of the bytes

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Start this node's share of the hybrid job: torchrun with c10d rendezvous runs NPROC_PER_NODE
-# workers of `python -m cloud serve --mode hybrid`. Every rank trains on cloud data with
+# workers of `python -m elasticfed.cloud serve --mode hybrid`. Every rank trains on cloud data with
 # layer-wise sync (NCCL on GPUs); global rank 0 also hosts the edge gateway (GATEWAY_BIND) and
 # the Prometheus endpoint (METRICS_BIND). Run the same command on every node.
 #
@@ -48,7 +48,7 @@ cmd=(
 if [ -n "$LOCAL_ADDR" ]; then
     cmd+=(--local-addr="$LOCAL_ADDR")
 fi
-cmd+=(-m cloud serve --mode hybrid)
+cmd+=(-m elasticfed.cloud serve --mode hybrid)
 if [ -n "$CONFIG" ]; then
     cmd+=(--config "$CONFIG")
 fi
