@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -125,15 +124,11 @@ class CurveAdmission:
             auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=auth)
             return auth
 
-    def identity(self, frame: Any) -> str | None:
-        """The enrolled name of the key behind a received frame; None if none (or revoked since)."""
-        try:
-            key = frame.get("User-Id")
-        except (AttributeError, zmq.ZMQError):
+    def identity(self, user_id: str | None) -> str | None:
+        """The enrolled name of the key behind a message (its ZAP User-Id); None if none, or revoked."""
+        if not user_id:
             return None
-        if not key:
-            return None
-        return self.devices.device_for(str(key).encode("ascii", "replace"))
+        return self.devices.device_for(user_id.encode("ascii", "replace"))
 
     def close(self) -> None:
         if self._auth is not None:

@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-import zmq
 from torch import nn
 
 from elasticfed.cloud import verdicts
@@ -68,6 +67,7 @@ from elasticfed.common.checkpoint import CheckpointError, load_optimizer_state, 
 from elasticfed.common.hooks import trainable_parameters
 from elasticfed.common.link import TokenBucket
 from elasticfed.common.metrics import LATENCY_BUCKETS_S, STALENESS_BUCKETS, Metrics
+from elasticfed.common.transport import Link, Received, Refusal, RouterLink, SendRefused
 from elasticfed.protocol import (
     DEFAULT_LIMITS,
     Ack,
@@ -88,7 +88,6 @@ from elasticfed.protocol import (
     Reason,
     Reject,
     Welcome,
-    apply_limits,
     blob,
     decode,
     encode,
@@ -97,6 +96,13 @@ from elasticfed.protocol import (
 )
 
 log = logging.getLogger("elasticfed.gateway")
+
+# The send_failures metric's labels, from before the transport boundary (dashboards read them).
+_SEND_FAILURES = {
+    Refusal.QUEUE_FULL: "peer_queue_full",
+    Refusal.PEER_GONE: "peer_gone",
+    Refusal.NO_PEER: "peer_gone",
+}
 
 _DEFAULTS = GatewaySettings()  # `cloud serve`'s [gateway] defaults: GatewayOptions' too
 
@@ -387,6 +393,7 @@ class Gateway:
         update: ModelUpdate | None = None,
         watch: LossWatch | None = None,
         ema: ModelEma | None = None,
+        link: Link | None = None,
     ) -> None:
         self.model = model
         self.watch = watch  # None: no loss probe (non-finite models are still refused)
@@ -466,29 +473,28 @@ class Gateway:
         self._last_close = clock()
         # When a welcomed edge last sent anything (pushes, heartbeats): hybrid mode's drain.
         self.last_heard_at: float | None = None
-        self._sock: zmq.Socket | None = None
+        # The socket edges talk to (common/transport): a ZeroMQ ROUTER made at bind() unless given
+        # (an in-process hub's router in protocol tests).
+        self.link: Link | None = link
+        self._bound_link = False
         self.bound_endpoint = ""
         self._bound = threading.Event()
 
     # -------------------------------------------------------------------- service
     def bind(self) -> str:
-        """Create and bind the ROUTER socket (from the thread that will serve); returns the endpoint."""
-        sock = zmq.Context.instance().socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an undeliverable reply raises instead of vanishing
-        # An edge keeps its routing id across reconnects: the new connection takes over the old
-        # (possibly half-open) one, and the edge stays welcomed without another round trip.
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        # Per connection, libzmq queues at most this many messages while this thread is busy, then
-        # stops reading that TCP connection (back-pressure, nothing dropped).  Credit keeps an
-        # honest edge far below it.
-        sock.setsockopt(zmq.RCVHWM, 4 * self.options.credit + 16)
-        apply_limits(sock, self.limits)
-        if self.admission is not None:
-            self.admission.secure(sock)
-        sock.bind(self.options.bind)
-        self._sock = sock
-        self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        """Open the link (from the thread that will serve); returns the endpoint."""
+        if self.link is None:
+            self.link = RouterLink(
+                self.options.bind,
+                self.limits,
+                # Per connection, libzmq queues at most this many messages while this thread is
+                # busy, then stops reading that connection (back-pressure, nothing dropped).
+                # Credit keeps an honest edge far below it.
+                queue_per_peer=4 * self.options.credit + 16,
+                secure=self.admission.secure if self.admission is not None else None,
+            )
+        self.bound_endpoint = self.link.open()
+        self._bound_link = True
         self._bound.set()
         log.info(
             "gateway %s listening on %s (model version %d, %s)",
@@ -512,7 +518,7 @@ class Gateway:
 
     def serve(self, stop: threading.Event, max_rounds: int | None = None) -> None:
         """Answer edges until `stop` is set (or `max_rounds` rounds have closed)."""
-        if self._sock is None:
+        if not self._bound_link:
             self.bind()
         try:
             while not stop.is_set():
@@ -523,18 +529,17 @@ class Gateway:
             self.close()
 
     def poll_once(self, timeout_s: float) -> None:
-        assert self._sock is not None, "bind() first"
+        assert self.link is not None and self._bound_link, "bind() first"
         wait = timeout_s
         left = self.rounds.time_left(self.open, self.clock())
         if left is not None:
             wait = max(0.0, min(wait, left))
-        if self._sock.poll(int(wait * 1000) + 1, zmq.POLLIN):
+        if self.link.poll(wait):
             for _ in range(256):  # bounded batch, then check the round
-                try:
-                    frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                except zmq.Again:
+                message = self.link.receive()
+                if message is None:
                     break
-                self.handle(frames)
+                self.handle(message)
         self.maybe_close_round()
         if (
             self.checkpoints is not None
@@ -549,36 +554,36 @@ class Gateway:
         With checkpoints, what the open round holds is applied first and saved: a clean stop
         keeps every contribution the gateway acknowledged.
         """
-        if self.checkpoints is not None and self._sock is not None:
+        if self.checkpoints is not None and self._bound_link:
             if self.diverged is None:  # diverged: the last checkpoint is the last good model
                 if self.open.opened_at is not None:
                     self.close_round()
                 if self.checkpoints.saved_version != self.version:
                     self.checkpoint()
             self.checkpoints.store.close()
-        if self._sock is not None:
-            self._sock.close(linger=int(linger_s * 1000))
-            self._sock = None
+        if self.link is not None and self._bound_link:
+            self.link.close(linger_s)
+            self._bound_link = False
         if self.admission is not None:
             self.admission.close()
 
     # ------------------------------------------------------------------- messages
-    def handle(self, frames: list[Any]) -> None:
+    def handle(self, message: Received) -> None:
         """One message; whatever it holds, the serving thread survives it."""
-        route = frames[0].bytes
+        route = message.peer
         try:
-            self._handle(route, frames[1:])
+            self._handle(route, message.frames, message.user_id)
         except Exception as exc:  # a check we missed must cost one message, not the service
             log.exception("failed to handle a message from route %r", route[:24])
             detail = f"could not be handled: {type(exc).__name__}: {exc}"
             self._refuse(route, self.routes.get(route), Reason.MALFORMED, detail, self.clock())
 
-    def _handle(self, route: bytes, body: list[Any]) -> None:
+    def _handle(self, route: bytes, body: list[Any], user_id: str | None) -> None:
         now = self.clock()
         client = self.routes.get(route)
         identity = None  # the enrolled name behind the message (CURVE), never a header's claim
         if self.admission is not None:
-            identity = self.admission.identity(body[0]) if body else None
+            identity = self.admission.identity(user_id)
             if identity is None:
                 self._refuse(route, None, Reason.UNAUTHENTICATED, "no enrolled CURVE key (revoked?)", now)
                 return
@@ -1201,19 +1206,16 @@ class Gateway:
         )
 
     def _reply(self, route: bytes, msg: Message) -> None:
-        if self._sock is None:
+        if self.link is None or not self._bound_link:
             return
         frames = encode(msg)
         try:
-            self._sock.send_multipart([route, *frames], flags=zmq.NOBLOCK, copy=False)
-            sent = sum(len(frame_bytes(f)) for f in frames)
-            self.metrics.sent_bytes.inc(self.routes.get(route, "?"), by=sent)
-        except zmq.Again:
-            self.metrics.send_failures.inc("peer_queue_full")
-        except zmq.ZMQError as exc:
-            if exc.errno != zmq.EHOSTUNREACH:
-                raise
-            self.metrics.send_failures.inc("peer_gone")
+            self.link.send(frames, peer=route)
+        except SendRefused as exc:
+            self.metrics.send_failures.inc(_SEND_FAILURES[exc.refusal])
+            return
+        sent = sum(len(frame_bytes(f)) for f in frames)
+        self.metrics.sent_bytes.inc(self.routes.get(route, "?"), by=sent)
 
     def applied_mass(self, client_id: str) -> dict[str, torch.Tensor]:
         """Per layer, the float64 sum of `client_id`'s pushes this gateway applied (`audit_mass`)."""

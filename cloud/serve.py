@@ -65,6 +65,7 @@ from elasticfed.common.logs import configure_logging
 from elasticfed.common.metrics import Metrics
 from elasticfed.common.metrics_http import ExtraGauge, MetricsServer, serve_metrics
 from elasticfed.common.task import Task, TaskError, load_task, shard
+from elasticfed.common.transport import Link
 
 log = logging.getLogger("elasticfed.gateway")
 
@@ -101,8 +102,10 @@ def build_gateway(
     checkpoints: GatewayCheckpoints | None = None,
     model: torch.nn.Module | None = None,
     update: ModelUpdate | None = None,
+    link: Link | None = None,
 ) -> Gateway:
-    """The gateway the `[gateway]` table describes, around the task's model (or `model`, hybrid)."""
+    """The gateway the `[gateway]` table describes, around the task's model (or `model`, hybrid);
+    it listens on a ZeroMQ ROUTER at `bind` unless given another `link` (common/transport)."""
     g = config.gateway
     if model is None:
         torch.manual_seed(g.seed)
@@ -150,6 +153,7 @@ def build_gateway(
         on_round=on_round,
         lr_factor=CosineDecay(g.lr_decay_rounds) if g.lr_decay_rounds and update is None else None,
         update=update,
+        link=link,
     )
 
 

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from elasticfed.common.hooks import GradientHooks, pack_by_size, trainable_parameters
+from elasticfed.common.transport import Link
 from elasticfed.edge.cache import GradientCache
 from elasticfed.edge.compression import Compression, UplinkCompression
 from elasticfed.edge.config import DRIFT_HORIZON
@@ -63,6 +64,7 @@ class ElasticEdge(nn.Module):
         drift_horizon: int = DRIFT_HORIZON,
         lr: float | None = None,
         scaffold: bool = False,
+        link: Link | None = None,
     ) -> None:
         super().__init__()
         if sync_every < 1:
@@ -101,7 +103,7 @@ class ElasticEdge(nn.Module):
         self._diverged = False
         self.lr = lr  # the local rate, where no followed optimizer says it
         self._followed: SgdDirection | None = None  # the optimizer whose steps (and rates) we know
-        self.session = EdgeSession(options, self.manifest, self.cache, model_version)
+        self.session = EdgeSession(options, self.manifest, self.cache, model_version, link=link)
         self.hooks = GradientHooks(named, self, plan)
         if start:
             self.session.start()

@@ -1,4 +1,4 @@
-"""The edge side of the Elastic Sync Protocol: one I/O thread that owns the DEALER socket.
+"""The edge side of the Elastic Sync Protocol: one I/O thread that owns the link to the gateway.
 
 The training thread never touches the socket.  It adds gradients into the
 `GradientCache` and asks for units to be synced; this thread turns them into
@@ -11,7 +11,7 @@ pushes, one unanswered push per unit, and keeps the protocol's promises:
   replaced.  A live TCP connection never loses a message, so that is all a TCP
   link needs; re-sending on a timer there only queues copies behind the
   original (at 1 Mbit/s, seconds of them).  Links that do lose messages on a
-  live connection (a message proxy, the in-process fault channel) show it: an
+  live connection (a message proxy, the in-process fault wrapper) show it: an
   ack names which copy of a push was applied (`attempt`, counted per
   connection), and a re-sent copy applied where its original on the same
   connection was not is proof.  From then on weak pushes are also re-sent on a
@@ -43,8 +43,10 @@ pushes, one unanswered push per unit, and keeps the protocol's promises:
   there every `persist_every_s` when they changed, at once after held sums went
   back to pending, and at close, and loaded at start (edge/persistence.py).
 
-Faults, when given, are injected here in-process on both directions, which is
-how tests and the demo make a loopback link lossy, late, duplicating or down.
+The link (common/transport) is a ZeroMQ DEALER unless the caller gives another (an
+in-process pair in protocol tests); faults, when given, wrap it in a `FaultyLink`,
+which is how tests and the demo make a loopback link lossy, late, duplicating or
+down.  Nothing here touches a socket.
 
 With `curve` set (the default in `elasticfed edge`), the socket is a CURVE
 client of the gateway's public key, and its routing id carries a random
@@ -70,12 +72,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import zmq
-from zmq.utils.monitor import recv_monitor_message
-
-from elasticfed.common.keys import KeyPair, configure_client
-from elasticfed.common.link import Backoff, Faults, FaultyChannel
+from elasticfed.common.keys import KeyPair
+from elasticfed.common.link import Backoff, Faults
 from elasticfed.common.metrics import LATENCY_BUCKETS_S, STALENESS_BUCKETS, Metrics
+from elasticfed.common.transport import (
+    DealerLink,
+    Event,
+    FaultyLink,
+    Link,
+    LinkEvent,
+    SendRefused,
+    Tracker,
+)
 from elasticfed.edge.cache import Flight, GradientCache
 from elasticfed.edge.download import ModelDownload
 from elasticfed.edge.pacing import Backlog, LinkMeter, UploadCap
@@ -99,10 +107,8 @@ from elasticfed.protocol import (
     Reason,
     Reject,
     Welcome,
-    apply_limits,
     decode,
     encode,
-    frame_bytes,
     limits_for,
 )
 from elasticfed.protocol.payload import payload_bytes
@@ -160,12 +166,6 @@ _FATAL_REJECTS = {
     Reason.UNAUTHENTICATED.value: "the gateway does not accept this device's key (not enrolled, or revoked)",
     Reason.IDENTITY.value: "the gateway refused this device's name",
 }
-_HANDSHAKE_EVENTS = (
-    zmq.EVENT_HANDSHAKE_SUCCEEDED
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-)
 
 
 class EdgeMetrics:
@@ -233,6 +233,7 @@ class EdgeSession:
         cache: GradientCache,
         model_version: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        link: Link | None = None,
     ) -> None:
         self.options = options
         self.manifest = manifest
@@ -240,13 +241,11 @@ class EdgeSession:
         self.cache = cache
         self.clock = clock
         self.metrics = EdgeMetrics()
-        self.ctx = zmq.Context.instance()
 
         # Shared with the training thread (guarded by _lock).
         self._lock = threading.Lock()
         self._wanted: set[int] = set()
         self._save_requests: list[threading.Event] = []
-        self._wake_pending = False
         self._model: Model | None = None  # newest received model not yet taken by training
         self._refetch = False  # the training thread wants the newest model again (refetch_model)
         self._error: BaseException | None = None
@@ -298,24 +297,19 @@ class EdgeSession:
         self._refetching = False  # downloading the newest model again, whatever its version
         self._flights: dict[int, int] = {}  # seq -> unit
         self._outstanding_n = 0  # flights sent whose deadline has not passed
-        self._sock: zmq.Socket | None = None
-        self._monitor: zmq.Socket | None = None  # handshake events of the CURVE socket
-        self._monitors = itertools.count()
         # With CURVE the routing id is unguessable (it travels encrypted): handover then only ever
         # moves this session's own connection.  Without, the client id keeps linksim's per-edge
         # fates reproducible.
         suffix = f".{secrets.token_hex(8)}" if options.curve is not None else ""
         self.routing_id = options.client_id.encode()[: 255 - len(suffix)] + suffix.encode()
         self._last_failure_log = -math.inf
-        self._poller: zmq.Poller | None = None
         # Send time of the newest request answered since the last tick: on a FIFO link a weak
         # push sent before it, still unanswered, was lost rather than late.
         self._answer_covers = -math.inf
         self._probes_sent: OrderedDict[int, float] = OrderedDict()  # heartbeat nonce -> send time
         self._last_recv = 0.0
         self._last_send = 0.0
-        self._connected_at = 0.0
-        self._next_connect = 0.0
+        self._connected = False  # the link has been opened (it replaces itself on reconnect)
         self._backoff = Backoff(options.reconnect_first_s, options.reconnect_cap_s)
         self._grace = 0.0  # extra silence tolerated after replacements without an answer (backoff)
         self._nonce = itertools.count(1)
@@ -326,25 +320,20 @@ class EdgeSession:
         self._resend_min_s = options.timeout_s
         self._resend_max_s = options.heartbeat_s * options.liveness
         self.resend_s = options.timeout_s
-        # Whether the link loses messages on a live connection (see the module docstring);
-        # known from the start when the faults are injected here.
-        self.loses_messages = options.faults.loss > 0 or bool(options.faults.outages)
         start = clock()
-        self.started = start  # the fault channels' clock (outage windows count from here)
-        self.up: FaultyChannel[list[Any]] | None = None
-        self.down: FaultyChannel[list[Any]] | None = None
+        self.started = start
+        # The transport (common/transport): a DEALER to the gateway unless given (an in-process
+        # pair in protocol tests); with faults, seen through a wrapper that injects them, which is
+        # how tests and the demo make a loopback link lossy.
+        if link is None:
+            link = DealerLink(options.gateway, self.routing_id, self.limits, options.curve)
         if options.faults.active:
-            self.up = FaultyChannel(
-                options.faults, 0, start, lambda frames: [bytes(frame_bytes(f)) for f in frames]
-            )
-            self.down = FaultyChannel(options.faults, 1, start, lambda frames: frames)
-
+            link = FaultyLink(link, options.faults, clock)
+        self.link = link
+        # Whether the link loses messages on a live connection (see the module docstring); known
+        # from the start when the faults are injected here.
+        self.loses_messages = link.loses_messages
         self._stop = threading.Event()
-        self._wake_rx = self.ctx.socket(zmq.PAIR)
-        address = f"inproc://elasticfed-edge-wake-{id(self)}"
-        self._wake_rx.bind(address)
-        self._wake_tx = self.ctx.socket(zmq.PAIR)
-        self._wake_tx.connect(address)
         self._thread = threading.Thread(target=self._run, name=f"edge-io-{options.client_id}", daemon=True)
 
         self.state: EdgeState | None = None
@@ -420,14 +409,11 @@ class EdgeSession:
             time.sleep(0.01)
         delivered = self.cache.undelivered() == 0
         self._stop.set()
-        with self._lock:
-            self._wake_pending = False
-            self._wake()
-        if self._thread.ident is not None:  # started
+        self.link.wake()
+        if self._thread.ident is not None:  # started: the I/O thread closes the link as it ends
             self._thread.join(timeout=5.0)
         else:
-            self._wake_rx.close(linger=0)
-        self._wake_tx.close(linger=0)
+            self.link.close()
         if self.state is not None and not self._thread.is_alive():
             self._persist(self.clock(), force=True)
             self.state.store.close()
@@ -440,39 +426,20 @@ class EdgeSession:
         return delivered
 
     def _wake(self) -> None:
-        # Under _lock. One wake-up in flight is enough: the I/O thread reads all of _wanted.
-        if not self._wake_pending:
-            self._wake_pending = True
-            try:
-                self._wake_tx.send(b"", zmq.NOBLOCK)
-            except zmq.Again:  # the I/O thread has wake-ups queued already
-                pass
+        self.link.wake()  # the I/O thread reads all of _wanted at its next tick
 
     # ================================================================= I/O thread
     def _run(self) -> None:
-        poller = self._poller = zmq.Poller()
-        poller.register(self._wake_rx, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 now = self.clock()
-                if self._sock is None and now >= self._next_connect:
-                    self._connect(poller, now)
-                wait = self._next_wakeup(now) - now
-                events = dict(poller.poll(max(0, int(wait * 1000) + 1)))
+                if not self._connected:
+                    self._connect(now)
+                self.link.poll(max(0.0, self._next_wakeup(now) - now))
                 now = self.clock()
-                if events.get(self._wake_rx):
-                    # Drain first, then clear: a wake-up sent in between is then either drained
-                    # (and its units are read by this tick) or still in the pipe with the flag
-                    # clear.  The other order could leave the flag set with nothing in the pipe,
-                    # and later requests would wait for the next timer.
-                    while self._wake_rx.poll(0):
-                        self._wake_rx.recv()
-                    with self._lock:
-                        self._wake_pending = False
-                if self._monitor is not None and events.get(self._monitor):
-                    self._on_monitor(now)
-                if self._sock is not None and events.get(self._sock):
-                    self._receive(now)
+                for event in self.link.events():
+                    self._on_link_event(event, now)
+                self._receive(now)
                 self._tick(self.clock())
         except EdgeRefused as exc:
             self._error = exc
@@ -481,8 +448,8 @@ class EdgeSession:
             self._error = RuntimeError(f"edge I/O thread failed: {type(exc).__name__}: {exc}")
             log.exception("edge I/O thread failed")
         finally:
-            self._close_socket()
-            self._wake_rx.close(linger=0)
+            self._connected = False
+            self.link.close()
 
     def _next_wakeup(self, now: float) -> float:
         times = [now + self.options.heartbeat_s]
@@ -497,10 +464,8 @@ class EdgeSession:
                     flight = self.cache.units[u].flight
                     if flight is not None and not flight.outstanding:
                         times.append(max(flight.resend_at, self._link_ready_at))
-        if self._sock is not None and not self.welcomed:
+        if self._connected and not self.welcomed:
             times.append(self._last_hello + self._probe_s)
-        if self._sock is None:
-            times.append(self._next_connect)
         if self._cap_ready_at > now:
             times.append(self._cap_ready_at)
         if self._link_ready_at > now:  # something waits for the uplink's backlog to drain
@@ -511,39 +476,21 @@ class EdgeSession:
             flight = self.cache.units[u].flight
             if flight is not None and flight.outstanding:
                 times.append(flight.deadline)
-        for channel in (self.up, self.down):
-            if channel is not None:
-                times.append(channel.next_due())
         return min(times)
 
     # ---------------------------------------------------------------- connection
-    def _connect(self, poller: zmq.Poller, now: float) -> None:
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a peer that is not there
-        # A stable routing id: the gateway (ROUTER_HANDOVER) hands it to the newest connection.
-        sock.setsockopt(zmq.ROUTING_ID, self.routing_id)
-        apply_limits(sock, self.limits)
-        if self.options.curve is not None:
-            configure_client(sock, *self.options.curve)
-        # Handshake events: a hello the moment the connection is up (with ZMQ_IMMEDIATE a send
-        # before that is refused), and a clear error when the gateway refuses this device's key.
-        self._monitor = sock.get_monitor_socket(
-            _HANDSHAKE_EVENTS, addr=f"inproc://elasticfed-edge-monitor-{id(self)}-{next(self._monitors)}"
-        )
-        poller.register(self._monitor, zmq.POLLIN)
-        sock.connect(self.options.gateway)
-        self._sock = sock
-        poller.register(sock, zmq.POLLIN)
-        self._connected_at = self._last_recv = now
+    def _connect(self, now: float) -> None:
+        """Open the link (again: a new connection replaces the old, whatever was on it is lost)."""
+        self.link.open()
+        self._connected = True
+        self._last_recv = now
         # Still welcomed after a reconnect: the gateway knows this routing id.  The hello
-        # refreshes that; a restarted gateway answers pushes with not_welcomed instead.
+        # refreshes that; a restarted gateway answers pushes with not_welcomed instead.  With
+        # CURVE it is likely refused (not connected yet): the link's UP event says it again.
         self._say_hello(now)
 
     def _reconnect(self, now: float) -> None:
-        assert self._sock is not None
         silent = now - self._last_recv
-        self._close_socket()
         self.metrics.reconnects.inc()
         self._grace = self._backoff.next_delay()
         for u in self._flights.values():  # whatever was outstanding is lost with the socket
@@ -560,55 +507,30 @@ class EdgeSession:
         self.uplink.connection_replaced()
         self.downlink.connection_replaced()
         log.info("no answer from %s for %.1f s: reconnecting", self.options.gateway, silent)
-        self._connect(self._poller, now)
+        self._connect(now)
 
-    def _close_socket(self) -> None:
-        assert self._poller is not None
-        if self._monitor is not None:
-            self._poller.unregister(self._monitor)
-            if self._sock is not None:
-                self._sock.disable_monitor()
-            self._monitor.close(linger=0)
-            self._monitor = None
-        if self._sock is not None:
-            self._poller.unregister(self._sock)
-            self._sock.close(linger=0)
-            self._sock = None
-        self._drop_in_flight()
-
-    def _drop_in_flight(self) -> None:
-        """Messages the fault channels still hold were on a connection that is gone: as over TCP,
-        none of them may arrive on the next one (an old instance's ack, an old copy of a push)."""
-        for channel in (self.up, self.down):
-            if channel is not None:
-                channel.clear()
-
-    def _on_monitor(self, now: float) -> None:
-        assert self._monitor is not None
-        while self._monitor.poll(0):
-            event = recv_monitor_message(self._monitor)
-            kind = event["event"]
-            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._say_hello(now)  # the one at connect was likely refused (not connected yet)
-                continue
-            refused = kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH
-            self.metrics.handshake_failures.inc("refused" if refused else "failed")
-            if now - self._last_failure_log < 10.0:  # libzmq retries quickly; say it now and then
-                continue
-            self._last_failure_log = now
-            if refused:
-                log.error(
-                    "the gateway at %s refused this device's CURVE key (ZAP status %s): it is not "
-                    "enrolled there, or it was revoked; enrol it with `elasticfed keys enrol`. Retrying",
-                    self.options.gateway,
-                    event["value"],
-                )
-            else:
-                log.error(
-                    "CURVE handshake with %s failed: is --security-gateway-public-key the key of the "
-                    "gateway at that address? Retrying",
-                    self.options.gateway,
-                )
+    def _on_link_event(self, event: LinkEvent, now: float) -> None:
+        if event.kind is Event.UP:
+            self._say_hello(now)  # the one at connect was likely refused (not connected yet)
+            return
+        refused = event.kind is Event.REFUSED
+        self.metrics.handshake_failures.inc("refused" if refused else "failed")
+        if now - self._last_failure_log < 10.0:  # libzmq retries quickly; say it now and then
+            return
+        self._last_failure_log = now
+        if refused:
+            log.error(
+                "the gateway at %s refused this device's CURVE key (%s): it is not enrolled there, "
+                "or it was revoked; enrol it with `elasticfed keys enrol`. Retrying",
+                self.options.gateway,
+                event.detail,
+            )
+        else:
+            log.error(
+                "CURVE handshake with %s failed: is --security-gateway-public-key the key of the "
+                "gateway at that address? Retrying",
+                self.options.gateway,
+            )
 
     def _say_hello(self, now: float) -> None:
         hello = Hello(
@@ -624,33 +546,14 @@ class EdgeSession:
         self._send(encode(hello), now)
 
     # ------------------------------------------------------------------- sending
-    def _send(self, frames: list[Any], now: float, track: bool = False) -> Any:
-        """Send (through the fault channel if any); returns a tracker, None, or False if refused."""
+    def _send(self, frames: list[Any], now: float, track: bool = False) -> Tracker | None:
+        """Send; None if the link refused it (no connection up yet, or full): lost, as any message
+        may be.  With `track`, the result says when the frames' buffers are free again."""
         self._last_send = now
-        if self.up is not None:
-            self.up.offer(frames, now)
-            self._flush_up(now)
-            return None
-        return self._raw_send(frames, track)
-
-    def _raw_send(self, frames: list[Any], track: bool) -> Any:
-        if self._sock is None:
-            return False
-        if track:
-            # Every frame zero-copy and tracked: send_multipart's own tracker covers only the
-            # last frame, and a frame under zmq's copy threshold reports done at once, while a
-            # larger one before it may still be queued, reading the cache's buffer.
-            frames = [zmq.Frame(f, copy=False, track=True) for f in frames]
         try:
-            self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            return False  # no connected peer or at the high-water mark: treated as lost
-        return zmq.MessageTracker(*frames) if track else None
-
-    def _flush_up(self, now: float) -> None:
-        if self.up is not None:
-            for frames in self.up.due(now):
-                self._raw_send(frames, False)
+            return self.link.send(frames, track=track)
+        except SendRefused:
+            return None
 
     def _push(self, u: int, flight: Flight, now: float) -> bool:
         unit = self.cache.units[u]
@@ -669,7 +572,7 @@ class EdgeSession:
         result = self._send(encode(msg), now, track=True)
         self.upload_cap.take(_nbytes(flight), now)
         self.metrics.pushes.inc()
-        if result is not False:
+        if result is not None:
             nbytes, first = self._queued.get(flight.seq, (0, now))
             self._queued[flight.seq] = (nbytes + _nbytes(flight), first)
             self._queued_bytes += _nbytes(flight)
@@ -677,10 +580,9 @@ class EdgeSession:
         for name, payload in zip(unit.names, payloads):
             self.metrics.sent_bytes.inc(name, by=payload_bytes(payload))
             self.metrics.staleness.observe(name, value=max(0, self.announced - flight.base_version))
-        if result is False:
+        if result is None:
             return False
-        if result is not None:
-            flight.release = result
+        flight.release = result
         return True
 
     def _tune_compression(self, now: float) -> None:
@@ -880,16 +782,8 @@ class EdgeSession:
 
     # ----------------------------------------------------------------- receiving
     def _receive(self, now: float) -> None:
-        assert self._sock is not None
-        while True:
-            try:
-                frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                break
-            if self.down is not None:
-                self.down.offer(frames, now)
-            else:
-                self._handle(frames, now)
+        while (message := self.link.receive()) is not None:
+            self._handle(message.frames, now)
 
     def _handle(self, frames: list[Any], now: float) -> None:
         try:
@@ -964,7 +858,9 @@ class EdgeSession:
         else:
             self.seq = max(self.seq, msg.next_seq)
         if new_instance:
-            self._drop_in_flight()
+            # A simulated link still holds messages of the connection to the old instance: as over
+            # TCP, none of them may arrive now (an old instance's ack, an old copy of a push).
+            self.link.drop_in_flight()
         if not self.seq_known:
             self.seq_known = True
             if self.state is not None:
@@ -1163,7 +1059,7 @@ class EdgeSession:
 
     def _ask_model(self, now: float) -> None:
         """Ask for the next slices of the model being downloaded, as far as the downlink drains them."""
-        if not self.welcomed or self._sock is None:
+        if not self.welcomed or not self._connected:
             return
         with self._lock:
             refetch, self._refetch = self._refetch, False
@@ -1205,7 +1101,7 @@ class EdgeSession:
         requests = self.download.requests(budget, now, reask)
         for k, (version, offset, length) in enumerate(requests):
             fetch = ModelFetch(version=version, offset=offset, length=length, base=base, fetch_ms=fetch_ms)
-            if self._send(encode(fetch), now) is False:
+            if self._send(encode(fetch), now) is None:
                 # Refused at once (a replaced connection not up yet, with ZMQ_IMMEDIATE): over TCP
                 # nothing would ask again, and the download would wait for them forever.
                 for _version, unsent, _length in requests[k:]:
@@ -1252,11 +1148,7 @@ class EdgeSession:
             self._persist(now)
         elif self._must_save and now >= self._save_retry_at:
             self._persist(now, force=True)  # sending waits for it
-        if self.down is not None:
-            for frames in self.down.due(now):
-                self._handle(frames, now)
-        self._flush_up(now)
-        if self._sock is None:
+        if not self._connected:
             return
         for u in list(self._flights.values()):
             flight = self.cache.units[u].flight
@@ -1362,9 +1254,7 @@ class EdgeSession:
             "download": dict(self.download.stats.__dict__),
             "metrics": self.metrics.registry.snapshot(),
         }
-        for name, channel in (("link_up", self.up), ("link_down", self.down)):
-            if channel is not None:
-                out[name] = dict(channel.stats.__dict__)
+        out.update(self.link.stats())
         return out
 
 

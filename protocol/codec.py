@@ -565,15 +565,3 @@ def all_finite(tensor: torch.Tensor) -> bool:
     if math.isfinite(float(tensor.sum(dtype=torch.float32 if tensor.dtype != torch.float64 else None))):
         return True
     return bool(torch.isfinite(tensor).all())
-
-
-def apply_limits(socket: Any, limits: Limits = DEFAULT_LIMITS) -> None:
-    """Make libzmq itself refuse oversized frames on `socket`.
-
-    The decoder's caps apply to frames already received; ZMQ_MAXMSGSIZE stops a
-    peer at the socket (it is disconnected) before a frame larger than the cap is
-    allocated.  Call on every socket that receives from untrusted peers.
-    """
-    import zmq  # only the sockets need it; the codec itself works on any buffers
-
-    socket.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes)

@@ -269,9 +269,8 @@ def pumped(gw: Gateway) -> Iterator[Gateway]:
         stop.set()
         thread.join(10)
         _pump_calls.pop(id(gw), None)
-        assert gw._sock is not None
-        gw._sock.close(linger=0)
-        gw._sock = None
+        assert gw.link is not None
+        gw.link.close()  # no last round, no checkpoint: as when the process dies
         if gw.checkpoints is not None:
             gw.checkpoints.store.close()  # as the kernel does for a process that died
         if gw.admission is not None:

@@ -144,6 +144,23 @@ def test_layering(package: str, forbidden: set[str]) -> None:
     assert not bad, bad
 
 
+# Where ZeroMQ may be used: the transport boundary, and the key and CURVE set-up and the link
+# simulator (a tool that proxies between real sockets).  Protocol logic (the edge session, the
+# gateway) talks to a `Link` and never sees a socket or a zmq error.
+ZMQ_ALLOWED = {
+    "common/transport/zeromq.py",
+    "common/keys.py",
+    "cloud/admission.py",
+    "common/linksim.py",
+}
+
+
+def test_zeromq_stays_behind_the_transport_boundary() -> None:
+    users = {path for package in PACKAGES for path, name in _imports(package) if name == "zmq"}
+    assert users <= ZMQ_ALLOWED, sorted(users - ZMQ_ALLOWED)
+    assert "common/transport/zeromq.py" in users  # the check reads imports at all
+
+
 def _module_graph() -> dict[str, set[str]]:
     """Each product module -> the product modules it imports (type-checking and function-local
     imports included: a circle through them is still a circle a reader must hold in mind)."""

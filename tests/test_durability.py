@@ -94,11 +94,8 @@ def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 20.0) ->
 def crash(session: EdgeSession) -> None:
     """The edge as after kill -9: the I/O thread stops; nothing is saved, nothing is drained."""
     session._stop.set()
-    with session._lock:
-        session._wake_pending = False
-        session._wake()
-    session._thread.join(10)
-    session._wake_tx.close(linger=0)
+    session.link.wake()
+    session._thread.join(10)  # the I/O thread closes the link as it ends; nothing more
     if session.state is not None:
         session.state.store.close()  # as the kernel does for a process that died
 

@@ -428,7 +428,7 @@ def test_limits_reject_nonsense() -> None:
 def test_socket_refuses_oversized_frames_before_they_reach_the_decoder() -> None:
     import zmq
 
-    from elasticfed.protocol import apply_limits
+    from elasticfed.common.transport.zeromq import apply_limits
 
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
