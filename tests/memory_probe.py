@@ -45,6 +45,32 @@ def emit(event: str, **fields: object) -> None:
     print(json.dumps({"event": event, **fields}), flush=True)
 
 
+def wait_idle(agent: ElasticEdge, quiet_s: float = 1.0, deadline_s: float = 60.0) -> None:
+    """Until every push is answered and no model is coming down, for `quiet_s` in a row (a round
+    closes and announces a version after the last push).  The gateway dies right after "warm": a
+    push or model slices still queued then stretch the edge's first silence by what the link needs
+    to carry them (liveness is judged by progress: 6.5 s here), and the outage's reconnect count
+    varied with that timing (54-84 in 27 s, measured before this wait)."""
+    session = agent.session
+    quiet_since = None
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        idle = (
+            session.cache.undelivered() == 0
+            and not session.download.active
+            and session.announced <= session.have_version
+        )
+        now = time.monotonic()
+        if not idle:
+            quiet_since = None
+        elif quiet_since is None:
+            quiet_since = now
+        elif now - quiet_since >= quiet_s:
+            return
+        time.sleep(0.01)  # a poll with a deadline: the session has no idle event to wait on
+    raise SystemExit("the edge did not go idle within a minute of warm-up")
+
+
 def main(endpoint: str, state_dir: str, outage_steps: int = OUTAGE_STEPS) -> None:
     logging.basicConfig(
         level=os.environ.get("PROBE_LOG", "WARNING"), format="%(asctime)s %(name)s %(message)s"
@@ -73,6 +99,7 @@ def main(endpoint: str, state_dir: str, outage_steps: int = OUTAGE_STEPS) -> Non
 
     for _ in range(30):
         step()
+    wait_idle(agent)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     emit("warm", model_bytes=model_bytes, rss=rss(), cache_bytes=agent.cache.host_bytes())
     assert sys.stdin.readline().strip() == "outage"
