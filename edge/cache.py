@@ -38,13 +38,14 @@ to check it (a copy of every unit: for tests and benchmarks).
 For the edge's own restarts (edge/persistence.py): a sum a save recorded as
 *pending* must not leave before a later save records it as a flight, or a crash
 in between would reload it as pending and send it again under a new sequence
-number.  So the flight a unit takes after such a save is `held_for_save` until
+number.  So the flight a unit takes after such a save starts in `SAVE_FIRST` until
 the next save (which the session makes at once); a flight recorded by a save
 keeps its seq, and the gateway answers a re-send of it as a duplicate.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 import threading
 from collections.abc import Sequence
@@ -59,6 +60,20 @@ if TYPE_CHECKING:
     from elasticfed.edge.compression import Compression
 
 
+class FlightState(enum.Enum):
+    """Where an unanswered push is.  The cache creates a flight; edge/flights.py alone moves it on.
+
+    SAVE_FIRST -> QUEUED (a save recorded it) -> OUTSTANDING (sent) -> WEAK (its deadline
+    passed, its connection was replaced, or the gateway sent it back unjudged) -> OUTSTANDING
+    (re-sent) ...; an answer with a verdict ends it from any state.
+    """
+
+    SAVE_FIRST = "save_first"  # holds a sum the last save recorded as pending: no send before the next save
+    QUEUED = "queued"  # taken; its first send waits for credit or for room on the link
+    OUTSTANDING = "outstanding"  # sent; its deadline has not passed
+    WEAK = "weak"  # unanswered and not outstanding: it goes again (on an answer, or on a timer)
+
+
 @dataclass
 class Flight:
     """One unanswered send of a unit."""
@@ -70,13 +85,11 @@ class Flight:
     first_sent: float
     deadline: float
     last_sent: float = 0.0
-    weak: bool = False  # missed a deadline at least once
-    outstanding: bool = True  # sent, deadline not passed yet
+    state: FlightState = FlightState.QUEUED
+    missed: bool = False  # missed a deadline at least once: its answer is late, not strong
     release: Any = None  # object with .done once the transport no longer reads `buffer`
     attempts: int = 0  # re-sends so far (the push's `attempt` is this number when sent)
     resend_at: float = 0.0  # when a weak flight goes again if no answer came first
-    unsent: bool = False  # taken, not pushed yet (waits for a save, or for credit)
-    held_for_save: bool = False  # holds a sum a save recorded as pending: no push before a save
     payloads: tuple[Payload, ...] | None = None  # per layer, as sent; None: dense views of `buffer`
     wire_bytes: int = 0  # payload bytes of one send
 
@@ -279,7 +292,8 @@ class GradientCache:
                 payloads=payloads,
                 wire_bytes=wire,
             )
-            flight.held_for_save, unit.saved_pending = unit.saved_pending, False
+            if unit.saved_pending:
+                flight.state, unit.saved_pending = FlightState.SAVE_FIRST, False
             unit.flight = flight
             if self.compression is None:
                 unit.pending = fresh
@@ -417,13 +431,6 @@ class GradientCache:
         """Step-gradients acknowledged but not yet durable (summed over units)."""
         with self.lock:
             return sum(h.count for u in self.units for h in u.held)
-
-    def after_save(self) -> None:
-        """A save recorded every flight: none holds a sum recorded only as pending any more."""
-        with self.lock:
-            for unit in self.units:
-                if unit.flight is not None:
-                    unit.flight.held_for_save = False
 
     # ------------------------------------------------------------------- accounting
     def undelivered(self) -> int:

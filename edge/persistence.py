@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from elasticfed.common.checkpoint import CheckpointError, CheckpointStore, read_tensors, write_tensors
-from elasticfed.edge.cache import MAX_HELD, Flight, GradientCache, Held
+from elasticfed.edge.cache import MAX_HELD, Flight, FlightState, GradientCache, Held
 from elasticfed.protocol import LayerGradient, Manifest, ProtocolError, Push, decode, encode, limits_for
 from elasticfed.protocol.messages import MAX_RATE, is_rate
 from elasticfed.protocol.payload import payload_bytes
@@ -341,8 +341,8 @@ def import_state(
                     first_sent=now,
                     deadline=now,
                     last_sent=-math.inf,
-                    weak=True,
-                    outstanding=False,
+                    state=FlightState.WEAK,
+                    missed=True,
                     payloads=payloads,
                     wire_bytes=sum(payload_bytes(p) for p in payloads) if payloads else 0,
                 )

@@ -84,8 +84,9 @@ from elasticfed.common.transport import (
     SendRefused,
     Tracker,
 )
-from elasticfed.edge.cache import Flight, GradientCache
+from elasticfed.edge.cache import Flight, FlightState, GradientCache
 from elasticfed.edge.download import ModelDownload
+from elasticfed.edge.flights import Flights
 from elasticfed.edge.pacing import Backlog, LinkMeter, UploadCap
 from elasticfed.edge.persistence import EdgeState
 from elasticfed.protocol import (
@@ -295,8 +296,7 @@ class EdgeSession:
         # a gateway with momentum 0.9 took the lossless digits demo to 32%).
         self.push = "gradient"
         self._refetching = False  # downloading the newest model again, whatever its version
-        self._flights: dict[int, int] = {}  # seq -> unit
-        self._outstanding_n = 0  # flights sent whose deadline has not passed
+        self.flights = Flights(cache)  # the unanswered pushes (edge/flights.py moves their state)
         # With CURVE the routing id is unguessable (it travels encrypted): handover then only ever
         # moves this session's own connection.  Without, the client id keeps linksim's per-edge
         # fates reproducible.
@@ -348,7 +348,10 @@ class EdgeSession:
             loaded = self.state.load(self.cache, self.manifest, self.clock())
             if loaded is not None:
                 self.seq = loaded.seq
-                self._flights = loaded.flights
+                for fseq, u in loaded.flights.items():
+                    flight = cache.units[u].flight
+                    assert flight is not None and flight.seq == fseq
+                    self.flights.add(u, flight)
                 self._wanted.update(loaded.wanted)
                 self._persisted = self._signature()
             self._saved_floor = self._oldest_unanswered()
@@ -457,13 +460,11 @@ class EdgeSession:
             times.append(self._next_persist)
             if self._must_save:
                 times.append(self._save_retry_at)
-        if self._has_weak():
+        if self.flights.waiting():
             times.append(self._last_probe + self._probe_s)
-            if self.loses_messages:  # otherwise a weak push goes again on an answer, not a timer
-                for u in self._flights.values():
-                    flight = self.cache.units[u].flight
-                    if flight is not None and not flight.outstanding:
-                        times.append(max(flight.resend_at, self._link_ready_at))
+        if self.loses_messages:  # otherwise a weak push goes again on an answer, not a timer
+            times.extend(max(t, self._link_ready_at) for t in self.flights.resend_times())
+        times.extend(self.flights.deadlines())
         if self._connected and not self.welcomed:
             times.append(self._last_hello + self._probe_s)
         if self._cap_ready_at > now:
@@ -472,10 +473,6 @@ class EdgeSession:
             times.append(self._link_ready_at)
         if self.download.active and self.loses_messages:
             times.append(now + self.resend_s)
-        for u in self._flights.values():
-            flight = self.cache.units[u].flight
-            if flight is not None and flight.outstanding:
-                times.append(flight.deadline)
         return min(times)
 
     # ---------------------------------------------------------------- connection
@@ -493,12 +490,7 @@ class EdgeSession:
         silent = now - self._last_recv
         self.metrics.reconnects.inc()
         self._grace = self._backoff.next_delay()
-        for u in self._flights.values():  # whatever was outstanding is lost with the socket
-            flight = self.cache.units[u].flight
-            if flight is not None:
-                if flight.outstanding:
-                    self._mark_weak(u, flight)
-                flight.attempts = 0  # copies are counted per connection (see _adapt_resend)
+        self._connection_replaced()  # whatever was outstanding is lost with the connection
         self._covers(now)  # what went out on the old socket is answered there or not at all
         self._uplink_fluid.clear()
         resumed = self.download.stats.resumed
@@ -570,13 +562,13 @@ class EdgeSession:
             lr=self.cache.lr or 0.0,
         )
         result = self._send(encode(msg), now, track=True)
-        self.upload_cap.take(_nbytes(flight), now)
+        self.upload_cap.take(flight.wire_bytes, now)
         self.metrics.pushes.inc()
         if result is not None:
             nbytes, first = self._queued.get(flight.seq, (0, now))
-            self._queued[flight.seq] = (nbytes + _nbytes(flight), first)
-            self._queued_bytes += _nbytes(flight)
-            self._uplink_fluid.add(_nbytes(flight), now)
+            self._queued[flight.seq] = (nbytes + flight.wire_bytes, first)
+            self._queued_bytes += flight.wire_bytes
+            self._uplink_fluid.add(flight.wire_bytes, now)
         for name, payload in zip(unit.names, payloads):
             self.metrics.sent_bytes.inc(name, by=payload_bytes(payload))
             self.metrics.staleness.observe(name, value=max(0, self.announced - flight.base_version))
@@ -610,10 +602,17 @@ class EdgeSession:
                 )
                 self._compression_rung = chosen.spec
 
-    def _send_wanted(self, now: float) -> None:
-        if not self.welcomed:
-            return
+    def _schedule(self, now: float, answered_since: float) -> None:
+        """The one scheduler of pushes, bound by credit and the link's room, oldest first: flights
+        due (weak ones to re-send, taken ones waiting for their first send; see Flights.due), then
+        new flights from the units training asked for.  The first that may not go yet stops it."""
+        if not self.welcomed or self._must_save:
+            return  # (sums moved back to pending are not on disk yet, see _persist)
         self._tune_compression(now)
+        for u, flight in self.flights.due(now, answered_since, self.loses_messages):
+            if not self._may_send(flight.wire_bytes, now):
+                return
+            self._send_flight(u, flight, now)
         with self._lock:
             wanted = sorted(self._wanted)
         for u in wanted:
@@ -622,49 +621,44 @@ class EdgeSession:
                 continue  # waits for the unanswered push of this unit
             if not self._may_send(self.cache.wire_bytes(u), now):
                 return
-            floor = self._oldest_unanswered()
-            if self.seq - floor >= self.window:
+            if self.seq - self._oldest_unanswered() >= self.window:
                 return
-            if self._must_save:
-                return  # sums moved back to pending are not on disk yet (see _persist)
-            flight = self.cache.take(u, self.seq, now, self.options.timeout_s)
+            flight = self._take(u, now)
             if flight is None:
                 if not unit.pending_count:
                     with self._lock:
                         self._wanted.discard(u)
                 continue  # (or its held sums wait for a commit: it stays wanted)
-            with self._lock:
-                self._wanted.discard(u)
-            self.seq += 1
-            self._flights[flight.seq] = u  # seqs increase: _flights stays ordered by seq
-            if flight.held_for_save:
+            if flight.state is FlightState.SAVE_FIRST:
                 # It holds a sum the last save recorded as pending: it leaves after the next save.
-                flight.unsent = True
-                flight.outstanding = False
                 self._must_save = True
-                continue
-            self._outstanding_n += 1  # a new flight starts outstanding
-            flight.deadline = self._deadline(_nbytes(flight), now)
-            if not self._push(u, flight, now):
-                self._mark_weak(u, flight)
-
-    def _push_unsent(self, now: float) -> None:
-        """First sends of flights that waited (for a save, or for credit), oldest first."""
-        if not self.welcomed or self._must_save:
-            return
-        for seq in list(self._flights):
-            u = self._flights[seq]
-            flight = self.cache.units[u].flight
-            if flight is None or not flight.unsent or flight.held_for_save:
-                continue
-            if not self._may_send(_nbytes(flight), now):
                 return
-            flight.unsent = False
-            flight.first_sent = flight.last_sent = now
-            flight.deadline = self._deadline(_nbytes(flight), now)
-            self._set_outstanding(flight, True)
-            if not self._push(u, flight, now):
-                self._mark_weak(u, flight)
+            self._send_flight(u, flight, now)
+
+    def _take(self, u: int, now: float) -> Flight | None:
+        """Unit `u`'s pending sum becomes a flight under the next seq (None: nothing to take)."""
+        flight = self.cache.take(u, self.seq, now, self.options.timeout_s)
+        if flight is None:
+            return None
+        self.seq += 1
+        self.flights.add(u, flight)
+        with self._lock:
+            self._wanted.discard(u)
+        return flight
+
+    def _send_flight(self, u: int, flight: Flight, now: float) -> None:
+        """Send a flight, for the first time or again (weak: same seq and bytes)."""
+        again = flight.state is FlightState.WEAK
+        self.flights.sent(flight, now, self._deadline(flight.wire_bytes, now), self.resend_s)
+        if again:
+            for name in self.cache.units[u].names:
+                self.metrics.retransmits.inc(name)
+        if self._push(u, flight, now):
+            return
+        if again:
+            self.flights.sent_back(flight)  # refused by the link at once: it waits its timer
+        else:
+            self._miss(u, flight)
 
     def _take_for_save(self, now: float) -> None:
         """Pending sums become flights just before a save, so that the save records them as flights."""
@@ -675,15 +669,7 @@ class EdgeSession:
                 continue
             if self.seq - self._oldest_unanswered() >= self.window:
                 return
-            flight = self.cache.take(u, self.seq, now, self.options.timeout_s)
-            if flight is None:
-                continue
-            self.seq += 1
-            self._flights[flight.seq] = u
-            flight.unsent = True
-            flight.outstanding = False
-            with self._lock:
-                self._wanted.discard(u)
+            self._take(u, now)
 
     def _oldest_unanswered(self) -> int:
         """`resolved_below`: the gateway may forget verdicts below it.
@@ -691,23 +677,14 @@ class EdgeSession:
         Unanswered flights (sent or not yet) and what the last save could send again
         after a crash all stay above it.
         """
-        # _flights is keyed by seq in increasing order.
-        oldest = next(iter(self._flights), self.seq)
+        oldest = self.flights.oldest(self.seq)
         if self._saved_floor is not None:
             oldest = min(oldest, self._saved_floor)
         return oldest
 
-    def _outstanding(self) -> int:
-        return self._outstanding_n
-
-    def _set_outstanding(self, flight: Flight, value: bool) -> None:
-        if flight.outstanding != value:
-            flight.outstanding = value
-            self._outstanding_n += 1 if value else -1
-
     def _may_send(self, nbytes: int, now: float) -> bool:
         """Credit, and room on the link: what is queued drains within the uplink's budget, and the cap."""
-        if self._outstanding() >= self.credit:
+        if self.flights.outstanding >= self.credit:
             return False
         backlog = self._uplink_backlog(now)
         excess = backlog + nbytes - self.uplink.budget(nbytes)
@@ -736,49 +713,21 @@ class EdgeSession:
             link_s += self.downlink.expected_s(self.download.outstanding_bytes())
         return now + self.options.timeout_s + 2 * link_s
 
-    def _resend_weak(self, now: float, sent_before: float = -math.inf) -> None:
-        """Weak pushes go again, oldest first, as far as credit allows.
-
-        Those due on the timer go, and those sent before a request the gateway has now
-        answered: the link works, and on a FIFO link their answer would have come first.
-        """
-        if self._must_save:
-            return
-        for seq in sorted(self._flights):
-            u = self._flights[seq]
-            flight = self.cache.units[u].flight
-            if flight is None or flight.outstanding or flight.unsent:
-                continue
-            timer_due = self.loses_messages and now >= flight.resend_at
-            if not timer_due and flight.last_sent >= sent_before:
-                continue
-            if not self._may_send(_nbytes(flight), now):
-                return
-            flight.deadline = self._deadline(_nbytes(flight), now)
-            self._set_outstanding(flight, True)
-            flight.last_sent = now
-            flight.attempts += 1
-            flight.resend_at = now + self.resend_s
-            for name in self.cache.units[u].names:
-                self.metrics.retransmits.inc(name)
-            if not self._push(u, flight, now):
-                self._set_outstanding(flight, False)
-
-    def _has_weak(self) -> bool:
-        """Some unanswered push waits to be sent again (weak, or sent back unjudged)."""
-        return len(self._flights) > self._outstanding_n
-
-    def _mark_weak(self, u: int, flight: Flight) -> None:
+    def _miss(self, u: int, flight: Flight) -> None:
+        """An outstanding flight went weak (its deadline passed, or its connection went)."""
         if self.loses_messages and flight.seq in self._queued:
             # A link that loses messages on a live connection: past its deadline it is presumed lost.
             self._queued_bytes -= self._queued.pop(flight.seq)[0]
-        if flight.outstanding:
-            flight.resend_at = flight.last_sent + self.resend_s
-        self._set_outstanding(flight, False)
-        if not flight.weak:
-            flight.weak = True
+        if self.flights.missed(flight, self.resend_s):
             for name in self.cache.units[u].names:
                 self.metrics.weak.inc(name)
+
+    def _connection_replaced(self) -> None:
+        for u, flight in self.flights.connection_replaced(self.resend_s):
+            for name in self.cache.units[u].names:
+                self.metrics.weak.inc(name)
+            if self.loses_messages and flight.seq in self._queued:
+                self._queued_bytes -= self._queued.pop(flight.seq)[0]
 
     # ----------------------------------------------------------------- receiving
     def _receive(self, now: float) -> None:
@@ -871,12 +820,7 @@ class EdgeSession:
         if restarted:
             log.info("gateway %s is a new instance: re-sending every unanswered push", msg.gateway_id)
             self._covers(now)  # it holds nothing we sent its predecessor
-            for u in self._flights.values():
-                flight = self.cache.units[u].flight
-                if flight is not None:
-                    if flight.outstanding:
-                        self._mark_weak(u, flight)
-                    flight.attempts = 0
+            self._connection_replaced()
         if new_instance:
             # Its public model is its own: what this edge holds is no base for its patches.
             self.download.forget_public()
@@ -900,16 +844,14 @@ class EdgeSession:
             return
         self.credit = msg.credit
         self._announce(msg.model_version)
-        u = self._flights.get(msg.seq)
-        if u is not None:
-            flight = self.cache.units[u].flight
-            if flight is not None:
-                queued = self._queued.get(msg.seq)
-                if queued is not None and msg.attempt == flight.attempts:
-                    self.uplink.answered(_nbytes(flight), queued[1], now)
-                self._covers(flight.last_sent)
-                if flight.attempts and msg.code != Reason.NOT_WELCOMED.value:
-                    self._adapt_resend(msg.attempt, msg.code == Reason.DUPLICATE.value)
+        flight = self.flights.flight(msg.seq)
+        if flight is not None:
+            queued = self._queued.get(msg.seq)
+            if queued is not None and msg.attempt == flight.attempts:
+                self.uplink.answered(flight.wire_bytes, queued[1], now)
+            self._covers(flight.last_sent)
+            if flight.attempts and msg.code != Reason.NOT_WELCOMED.value:
+                self._adapt_resend(msg.attempt, msg.code == Reason.DUPLICATE.value)
             self._verdict(msg.seq, msg.accepted, msg.code, msg.detail, now, msg.gateway_id, msg.epoch)
         self._settle(msg.verdicts, msg.gateway_id, now)
         self._commit(msg.gateway_id, msg.durable_epoch)
@@ -962,7 +904,7 @@ class EdgeSession:
 
     def _covers(self, sent_at: float) -> None:
         """An answer to a request sent at `sent_at` came: on a FIFO link, whatever was sent before
-        and is still unanswered was lost (weak pushes go again, see _resend_weak), and no longer
+        and is still unanswered was lost (weak pushes go again, see Flights.due), and no longer
         queued on the connection."""
         self._answer_covers = max(self._answer_covers, sent_at)
         if self._queued and sent_at > -math.inf:
@@ -991,26 +933,25 @@ class EdgeSession:
     def _settle(self, verdicts: Sequence[tuple[int, str, int]], instance: str, now: float) -> None:
         """Verdicts repeated by the gateway (a cumulative ack): settle the pushes still waiting."""
         for seq, code, epoch in verdicts:
-            if seq in self._flights:
+            if seq in self.flights:
                 self._verdict(seq, not code, code, "", now, instance, epoch)
 
     def _verdict(
         self, seq: int, accepted: bool, code: str, detail: str, now: float, instance: str = "", epoch: int = 0
     ) -> None:
-        u = self._flights.get(seq)
-        if u is None:
+        unanswered = self.flights.flight(seq)
+        if unanswered is None:
             return  # an answer to a push already answered (a duplicate or late ack)
         if not accepted and code in (Reason.WINDOW.value, Reason.NOT_WELCOMED.value):
-            flight = self.cache.units[u].flight  # not judged: keep it and send again later
-            if flight is not None:
-                self._set_outstanding(flight, False)
-                if code == Reason.NOT_WELCOMED.value:
-                    flight.attempts = 0  # a new gateway: the copies it refused do not count
+            # Not judged: keep it and send again later (to a new gateway, the copies it refused
+            # do not count).
+            self.flights.sent_back(unanswered, forget_attempts=code == Reason.NOT_WELCOMED.value)
             if code == Reason.NOT_WELCOMED.value:
                 self.welcomed = False
                 self._say_hello(now)
             return
-        del self._flights[seq]
+        u = self.flights.answered(seq)
+        assert u is not None
         # Applied by a gateway that checkpoints: held until its checkpoint of `epoch` is on disk.
         hold = (instance, epoch) if accepted and epoch and instance else None
         if hold is not None and epoch <= self._durable_seen.get(instance, 0):
@@ -1025,13 +966,12 @@ class EdgeSession:
             unit.durable += flight.count
             for name in unit.names:
                 self.metrics.durable.inc(name, by=flight.count)
-        self._set_outstanding(flight, False)
         names = self.cache.units[u].names
         for name in names:
             self.metrics.latency.observe(name, value=now - flight.first_sent)
             if accepted:
                 self.metrics.delivered.inc(name, by=flight.count)
-                (self.metrics.late if flight.weak else self.metrics.strong).inc(name)
+                (self.metrics.late if flight.missed else self.metrics.strong).inc(name)
             elif code == Reason.STALE.value:
                 self.metrics.dropped_stale.inc(name, by=flight.count)
         if not accepted:
@@ -1150,20 +1090,15 @@ class EdgeSession:
             self._persist(now, force=True)  # sending waits for it
         if not self._connected:
             return
-        for u in list(self._flights.values()):
-            flight = self.cache.units[u].flight
-            if flight is not None and flight.outstanding and now >= flight.deadline:
-                self._mark_weak(u, flight)
+        for u, flight in self.flights.overdue(now):
+            self._miss(u, flight)
         covers, self._answer_covers = self._answer_covers, -math.inf
         # Model requests first: they are small, and would otherwise wait behind the pushes below.
         self._ask_model(now)
-        if self.welcomed and self._has_weak():
-            self._resend_weak(now, sent_before=covers)
-        self._push_unsent(now)
-        self._send_wanted(now)
+        self._schedule(now, answered_since=covers)
         if now - self._last_recv > self._silence_allowed():
             self._reconnect(now)
-        elif self.welcomed and self._has_weak() and now - self._last_probe >= self._probe_s:
+        elif self.welcomed and self.flights.waiting() and now - self._last_probe >= self._probe_s:
             # Weak pushes wait for the link to answer: ask it, more often than an idle heartbeat.
             self._last_probe = now
             self._heartbeat(now)
@@ -1188,7 +1123,7 @@ class EdgeSession:
             self.seq,
             sum(u.produced for u in units),
             sum(u.durable + u.dropped for u in units),
-            len(self._flights),
+            len(self.flights),
             self.cache.held_steps(),
         )
 
@@ -1202,7 +1137,7 @@ class EdgeSession:
         saved = self._saved_floor
         if saved is None or self.seq - saved < self.window // 2:
             return False
-        return next(iter(self._flights), self.seq) > saved
+        return self.flights.oldest(self.seq) > saved
 
     def _persist(self, now: float, force: bool = False) -> None:
         """Save when something changed (`force`: always, and nothing more is sent until it worked:
@@ -1225,7 +1160,7 @@ class EdgeSession:
             log.error("could not save the edge state to %s: %s", self.options.state_dir, exc)
             return
         self._must_save = False
-        self.cache.after_save()
+        self.flights.saved()
         self._saved_floor = self._oldest_unanswered()
         self._persisted = self._signature()
         self.metrics.persists.inc()
@@ -1256,10 +1191,6 @@ class EdgeSession:
         }
         out.update(self.link.stats())
         return out
-
-
-def _nbytes(flight: Flight) -> int:
-    return flight.wire_bytes
 
 
 def _int_setting(settings: dict[str, object], key: str, default: int) -> int:
