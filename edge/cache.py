@@ -322,12 +322,12 @@ class GradientCache:
         wire = sum(payload_bytes(p) for p in payloads)
         return fresh, payloads, wire
 
-    def resolve(self, u: int, hold: tuple[str, int] | None = None) -> Flight | None:
+    def resolve(self, u: int, hold: tuple[str, int] | None = None, durable: bool = False) -> Flight | None:
         """The gateway answered the flight of unit `u`.
 
         `hold` = (gateway instance, epoch): it was applied but is not durable yet, so it is
         kept, summed with what that instance acknowledged for the same epoch.  Otherwise
-        its buffer becomes the next spare.
+        its buffer becomes the next spare; `durable`: it was applied and is on disk already.
         """
         unit = self.units[u]
         with self.lock:
@@ -335,6 +335,8 @@ class GradientCache:
             if flight is None:
                 return None
             if hold is None:
+                if durable:
+                    unit.durable += flight.count
                 self._recycle(unit, flight.buffer, flight.release)
                 return flight
             instance, epoch = hold

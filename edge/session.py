@@ -22,14 +22,11 @@ pushes, one unanswered push per unit, and keeps the protocol's promises:
   settles everything judged so far;
 - credit: no more pushes outstanding than the gateway granted, so the gateway's
   queues stay bounded and nothing is dropped at a high-water mark;
-- Paranoid Pirate: heartbeats when idle; when nothing has come back for
-  `liveness` heartbeats, the socket is replaced at once by a new one that says
-  hello again, forever (a restarted gateway is found without help).  Backoff
-  lengthens the silence tolerated before the next replacement rather than
-  leaving the edge without a socket: on a link that loses 95% of messages an
-  answer is rare but not absent, and a socket-less pause would only lose more.
-  The routing id is the client id, so the new connection takes over the old
-  one at the gateway and pushes continue without waiting for the welcome;
+- Paranoid Pirate (edge/connection.py): heartbeats when idle; a connection
+  silent for too long is replaced at once by a new one that says hello again,
+  forever (a restarted gateway is found without help).  The routing id stays
+  the same, so the new connection takes over the old one at the gateway and
+  pushes continue without waiting for the welcome;
 - announced model versions (in acks, heartbeats and the welcome) are fetched
   and left for the training thread to adopt between steps;
 - durability: with a gateway that checkpoints, an ack names the checkpoint
@@ -61,32 +58,24 @@ name that is not this key's, a different model end the session with
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import secrets
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from elasticfed.common.keys import KeyPair
 from elasticfed.common.link import Backoff, Faults
-from elasticfed.common.metrics import LATENCY_BUCKETS_S, STALENESS_BUCKETS, Metrics
-from elasticfed.common.transport import (
-    DealerLink,
-    Event,
-    FaultyLink,
-    Link,
-    LinkEvent,
-    SendRefused,
-    Tracker,
-)
+from elasticfed.common.transport import DealerLink, FaultyLink, Link, Tracker
 from elasticfed.edge.cache import Flight, FlightState, GradientCache
+from elasticfed.edge.connection import Connection
 from elasticfed.edge.download import ModelDownload
+from elasticfed.edge.durability import Durability
 from elasticfed.edge.flights import Flights
+from elasticfed.edge.metrics import EdgeMetrics
 from elasticfed.edge.pacing import Backlog, LinkMeter, UploadCap
 from elasticfed.edge.persistence import EdgeState
 from elasticfed.protocol import (
@@ -169,61 +158,6 @@ _FATAL_REJECTS = {
 }
 
 
-class EdgeMetrics:
-    """What an edge records, per layer where it makes sense; see common/metrics.py."""
-
-    def __init__(self) -> None:
-        m = self.registry = Metrics()
-        self.strong = m.counter(
-            "edge_strong_syncs_total", "layer pushes answered within the deadline", ["layer"]
-        )
-        self.weak = m.counter("edge_weak_syncs_total", "layer pushes that missed their deadline", ["layer"])
-        self.late = m.counter(
-            "edge_late_deliveries_total", "weak layer pushes the gateway answered later", ["layer"]
-        )
-        self.retransmits = m.counter("edge_retransmissions_total", "layer pushes sent again", ["layer"])
-        self.sent_bytes = m.counter("edge_sent_bytes_total", "payload bytes pushed", ["layer"])
-        self.delivered = m.counter(
-            "edge_delivered_steps_total", "step-gradients the gateway applied", ["layer"]
-        )
-        self.dropped_stale = m.counter(
-            "edge_dropped_stale_steps_total", "step-gradients the gateway dropped as too stale", ["layer"]
-        )
-        self.rejected = m.counter("edge_rejected_total", "pushes refused by the gateway", ["reason"])
-        self.latency = m.histogram(
-            "edge_sync_latency_seconds", "first send to answer, per layer push", ["layer"], LATENCY_BUCKETS_S
-        )
-        self.staleness = m.histogram(
-            "edge_push_staleness",
-            "versions between a push's base model and the newest known",
-            ["layer"],
-            STALENESS_BUCKETS,
-        )
-        self.reconnects = m.counter("edge_reconnects_total", "sockets closed and opened again after silence")
-        self.handshake_failures = m.counter(
-            "edge_handshake_failures_total", "CURVE handshakes with the gateway that failed", ["kind"]
-        )
-        self.models = m.counter("edge_models_received_total", "model versions received")
-        self.durable = m.counter(
-            "edge_durable_steps_total", "step-gradients the gateway wrote to disk (a commit)", ["layer"]
-        )
-        self.resent_lost = m.counter(
-            "edge_lost_by_gateway_steps_total",
-            "acknowledged step-gradients a gateway lost in a crash, sent again",
-            ["layer"],
-        )
-        self.persists = m.counter("edge_state_saves_total", "times the cache was saved to disk")
-        self.model_bytes = m.counter("edge_model_bytes_total", "model bytes received in chunks")
-        self.download_restarts = m.counter(
-            "edge_model_download_restarts_total",
-            "downloads started over (the gateway stopped serving that version, or a corrupt blob)",
-        )
-        self.download_resumes = m.counter(
-            "edge_model_download_resumes_total", "part-way downloads carried over to a new connection"
-        )
-        self.pushes = m.counter("edge_pushes_total", "push messages sent (first sends and re-sends)")
-
-
 class EdgeSession:
     """Owns the socket and the protocol state; its methods are called from the training thread."""
 
@@ -263,9 +197,6 @@ class EdgeSession:
         # seq counter may be behind what an earlier run used after its last save: no fresh seq
         # is handed out before then.
         self.seq_known = False
-        self._must_save = False  # a save must succeed before anything more is sent
-        self._save_retry_at = 0.0
-        self._durable_seen: dict[str, int] = {}  # instance -> newest checkpoint it said is on disk
         self.announced = model_version
         # Models come down in chunks the edge asks for at the link's pace (edge/download.py).
         self.download = ModelDownload(manifest, options.model_chunk_bytes)
@@ -302,17 +233,9 @@ class EdgeSession:
         # fates reproducible.
         suffix = f".{secrets.token_hex(8)}" if options.curve is not None else ""
         self.routing_id = options.client_id.encode()[: 255 - len(suffix)] + suffix.encode()
-        self._last_failure_log = -math.inf
         # Send time of the newest request answered since the last tick: on a FIFO link a weak
         # push sent before it, still unanswered, was lost rather than late.
         self._answer_covers = -math.inf
-        self._probes_sent: OrderedDict[int, float] = OrderedDict()  # heartbeat nonce -> send time
-        self._last_recv = 0.0
-        self._last_send = 0.0
-        self._connected = False  # the link has been opened (it replaces itself on reconnect)
-        self._backoff = Backoff(options.reconnect_first_s, options.reconnect_cap_s)
-        self._grace = 0.0  # extra silence tolerated after replacements without an answer (backoff)
-        self._nonce = itertools.count(1)
         self._last_probe = 0.0
         self._last_hello = -math.inf
         self._probe_s = min(options.heartbeat_s, options.timeout_s / 2)
@@ -330,31 +253,36 @@ class EdgeSession:
         if options.faults.active:
             link = FaultyLink(link, options.faults, clock)
         self.link = link
+        # Opened, replaced when silent, probed (edge/connection.py).
+        self.connection = Connection(
+            link,
+            options.gateway,
+            options.heartbeat_s,
+            options.liveness,
+            Backoff(options.reconnect_first_s, options.reconnect_cap_s),
+            self.metrics.reconnects,
+            self.metrics.handshake_failures,
+        )
         # Whether the link loses messages on a live connection (see the module docstring); known
         # from the start when the faults are injected here.
         self.loses_messages = link.loses_messages
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"edge-io-{options.client_id}", daemon=True)
 
-        self.state: EdgeState | None = None
-        self._persisted: tuple[int, ...] | None = None
-        self._next_persist = start + options.persist_every_s
-        # The lowest seq the saved state could send again after a crash: the gateway must keep
-        # its verdict (see _oldest_unanswered), or a reloaded push it refused would be taken
-        # for a duplicate of an applied one.
-        self._saved_floor: int | None = None
-        if options.state_dir:
-            self.state = EdgeState(options.state_dir, options.client_id)
-            loaded = self.state.load(self.cache, self.manifest, self.clock())
-            if loaded is not None:
-                self.seq = loaded.seq
-                for fseq, u in loaded.flights.items():
-                    flight = cache.units[u].flight
-                    assert flight is not None and flight.seq == fseq
-                    self.flights.add(u, flight)
-                self._wanted.update(loaded.wanted)
-                self._persisted = self._signature()
-            self._saved_floor = self._oldest_unanswered()
+        # Saves, and the gateway's commits (edge/durability.py).
+        state = EdgeState(options.state_dir, options.client_id) if options.state_dir else None
+        self.durability = Durability(
+            cache, self.flights, manifest, state, options.persist_every_s, self.metrics, start
+        )
+        loaded = self.durability.load(self.seq, clock())
+        if loaded is not None:
+            self.seq = loaded.seq
+            self._wanted.update(loaded.wanted)
+
+    @property
+    def state(self) -> EdgeState | None:
+        """Where this edge's cache survives restarts (None: nowhere)."""
+        return self.durability.state
 
     # ============================================================ training thread
     def start(self) -> None:
@@ -372,7 +300,7 @@ class EdgeSession:
 
         For a planned shutdown or a test; saves otherwise happen on their own policy.
         """
-        if self.state is None:
+        if not self.durability.saves:
             return False
         done = threading.Event()
         with self._lock:
@@ -416,10 +344,10 @@ class EdgeSession:
         if self._thread.ident is not None:  # started: the I/O thread closes the link as it ends
             self._thread.join(timeout=5.0)
         else:
-            self.link.close()
-        if self.state is not None and not self._thread.is_alive():
-            self._persist(self.clock(), force=True)
-            self.state.store.close()
+            self.connection.close()
+        if self.durability.saves and not self._thread.is_alive():
+            self._save(self.clock(), force=True)
+            self.durability.close()
         elif self.cache.held_steps():
             log.warning(
                 "%d acknowledged step-gradients are not durable yet and are not saved (no state "
@@ -436,12 +364,12 @@ class EdgeSession:
         try:
             while not self._stop.is_set():
                 now = self.clock()
-                if not self._connected:
+                if not self.connection.up:
                     self._connect(now)
                 self.link.poll(max(0.0, self._next_wakeup(now) - now))
                 now = self.clock()
-                for event in self.link.events():
-                    self._on_link_event(event, now)
+                if self.connection.up_events(now):
+                    self._say_hello(now)  # the one at connect was likely refused (not connected yet)
                 self._receive(now)
                 self._tick(self.clock())
         except EdgeRefused as exc:
@@ -451,21 +379,17 @@ class EdgeSession:
             self._error = RuntimeError(f"edge I/O thread failed: {type(exc).__name__}: {exc}")
             log.exception("edge I/O thread failed")
         finally:
-            self._connected = False
-            self.link.close()
+            self.connection.close()
 
     def _next_wakeup(self, now: float) -> float:
         times = [now + self.options.heartbeat_s]
-        if self.state is not None:
-            times.append(self._next_persist)
-            if self._must_save:
-                times.append(self._save_retry_at)
+        times.extend(self.durability.wake_times())
         if self.flights.waiting():
             times.append(self._last_probe + self._probe_s)
         if self.loses_messages:  # otherwise a weak push goes again on an answer, not a timer
             times.extend(max(t, self._link_ready_at) for t in self.flights.resend_times())
         times.extend(self.flights.deadlines())
-        if self._connected and not self.welcomed:
+        if self.connection.up and not self.welcomed:
             times.append(self._last_hello + self._probe_s)
         if self._cap_ready_at > now:
             times.append(self._cap_ready_at)
@@ -477,19 +401,15 @@ class EdgeSession:
 
     # ---------------------------------------------------------------- connection
     def _connect(self, now: float) -> None:
-        """Open the link (again: a new connection replaces the old, whatever was on it is lost)."""
-        self.link.open()
-        self._connected = True
-        self._last_recv = now
+        self.connection.open(now)
         # Still welcomed after a reconnect: the gateway knows this routing id.  The hello
         # refreshes that; a restarted gateway answers pushes with not_welcomed instead.  With
         # CURVE it is likely refused (not connected yet): the link's UP event says it again.
         self._say_hello(now)
 
     def _reconnect(self, now: float) -> None:
-        silent = now - self._last_recv
-        self.metrics.reconnects.inc()
-        self._grace = self._backoff.next_delay()
+        """The connection was silent too long (edge/connection.py): what was on it is lost."""
+        silent = self.connection.silent_for(now)
         self._connection_replaced()  # whatever was outstanding is lost with the connection
         self._covers(now)  # what went out on the old socket is answered there or not at all
         self._uplink_fluid.clear()
@@ -499,30 +419,8 @@ class EdgeSession:
         self.uplink.connection_replaced()
         self.downlink.connection_replaced()
         log.info("no answer from %s for %.1f s: reconnecting", self.options.gateway, silent)
-        self._connect(now)
-
-    def _on_link_event(self, event: LinkEvent, now: float) -> None:
-        if event.kind is Event.UP:
-            self._say_hello(now)  # the one at connect was likely refused (not connected yet)
-            return
-        refused = event.kind is Event.REFUSED
-        self.metrics.handshake_failures.inc("refused" if refused else "failed")
-        if now - self._last_failure_log < 10.0:  # libzmq retries quickly; say it now and then
-            return
-        self._last_failure_log = now
-        if refused:
-            log.error(
-                "the gateway at %s refused this device's CURVE key (%s): it is not enrolled there, "
-                "or it was revoked; enrol it with `elasticfed keys enrol`. Retrying",
-                self.options.gateway,
-                event.detail,
-            )
-        else:
-            log.error(
-                "CURVE handshake with %s failed: is --security-gateway-public-key the key of the "
-                "gateway at that address? Retrying",
-                self.options.gateway,
-            )
+        self.connection.replace(now)
+        self._say_hello(now)
 
     def _say_hello(self, now: float) -> None:
         hello = Hello(
@@ -532,20 +430,14 @@ class EdgeSession:
             next_seq=self.seq,
             settings=dict(self.options.settings),
             holding=tuple(self.cache.holding()[:16]),
-            resolved_below=self._oldest_unanswered(),
+            resolved_below=self._resolved_below(),
         )
         self._last_hello = now
         self._send(encode(hello), now)
 
     # ------------------------------------------------------------------- sending
     def _send(self, frames: list[Any], now: float, track: bool = False) -> Tracker | None:
-        """Send; None if the link refused it (no connection up yet, or full): lost, as any message
-        may be.  With `track`, the result says when the frames' buffers are free again."""
-        self._last_send = now
-        try:
-            return self.link.send(frames, track=track)
-        except SendRefused:
-            return None
+        return self.connection.send(frames, now, track)
 
     def _push(self, u: int, flight: Flight, now: float) -> bool:
         unit = self.cache.units[u]
@@ -557,7 +449,7 @@ class EdgeSession:
             seq=flight.seq,
             base_version=flight.base_version,
             layers=layers,
-            resolved_below=self._oldest_unanswered(),
+            resolved_below=self._resolved_below(),
             attempt=flight.attempts,
             lr=self.cache.lr or 0.0,
         )
@@ -606,8 +498,8 @@ class EdgeSession:
         """The one scheduler of pushes, bound by credit and the link's room, oldest first: flights
         due (weak ones to re-send, taken ones waiting for their first send; see Flights.due), then
         new flights from the units training asked for.  The first that may not go yet stops it."""
-        if not self.welcomed or self._must_save:
-            return  # (sums moved back to pending are not on disk yet, see _persist)
+        if not self.welcomed or self.durability.must_save:
+            return  # (sums moved back to pending are not on disk yet, see edge/durability.py)
         self._tune_compression(now)
         for u, flight in self.flights.due(now, answered_since, self.loses_messages):
             if not self._may_send(flight.wire_bytes, now):
@@ -621,7 +513,7 @@ class EdgeSession:
                 continue  # waits for the unanswered push of this unit
             if not self._may_send(self.cache.wire_bytes(u), now):
                 return
-            if self.seq - self._oldest_unanswered() >= self.window:
+            if self.seq - self._resolved_below() >= self.window:
                 return
             flight = self._take(u, now)
             if flight is None:
@@ -631,7 +523,7 @@ class EdgeSession:
                 continue  # (or its held sums wait for a commit: it stays wanted)
             if flight.state is FlightState.SAVE_FIRST:
                 # It holds a sum the last save recorded as pending: it leaves after the next save.
-                self._must_save = True
+                self.durability.save_before_sending()
                 return
             self._send_flight(u, flight, now)
 
@@ -660,27 +552,25 @@ class EdgeSession:
         else:
             self._miss(u, flight)
 
-    def _take_for_save(self, now: float) -> None:
-        """Pending sums become flights just before a save, so that the save records them as flights."""
+    def _take_for_save(self, now: float) -> int:
+        """Pending sums become flights just before a save, so that the save records them as
+        flights; returns the next seq, which the save records."""
         if not self.seq_known:
-            return  # fresh seqs only once a welcome in this process said which the gateway has seen
+            return self.seq  # fresh seqs only once a welcome in this process said which are fresh
         for u, unit in enumerate(self.cache.units):
             if unit.flight is not None or not unit.pending_count:
                 continue
-            if self.seq - self._oldest_unanswered() >= self.window:
-                return
+            if self.seq - self._resolved_below() >= self.window:
+                break
             self._take(u, now)
+        return self.seq
 
-    def _oldest_unanswered(self) -> int:
-        """`resolved_below`: the gateway may forget verdicts below it.
+    def _resolved_below(self) -> int:
+        """The gateway may forget this edge's verdicts below it (edge/durability.py)."""
+        return self.durability.resolved_below(self.seq)
 
-        Unanswered flights (sent or not yet) and what the last save could send again
-        after a crash all stay above it.
-        """
-        oldest = self.flights.oldest(self.seq)
-        if self._saved_floor is not None:
-            oldest = min(oldest, self._saved_floor)
-        return oldest
+    def _save(self, now: float, force: bool = False) -> bool:
+        return self.durability.save(now, self.seq, self._take_for_save, force)
 
     def _may_send(self, nbytes: int, now: float) -> bool:
         """Credit, and room on the link: what is queued drains within the uplink's budget, and the cap."""
@@ -740,13 +630,11 @@ class EdgeSession:
         except ProtocolError as exc:
             log.warning("dropped a message from the gateway: %s", exc)
             return
-        self._last_recv = now
-        self._backoff.reset()
-        self._grace = 0.0
+        self.connection.heard(now)
         if isinstance(msg, Ack):
             self._on_ack(msg, now)
         elif isinstance(msg, Heartbeat):
-            probe = self._probes_sent.pop(msg.nonce, -math.inf)
+            probe = self.connection.probe_sent_at(msg.nonce)
             self._rtt_sample(now - probe)
             self._covers(probe)
             self._announce(msg.model_version)
@@ -812,8 +700,7 @@ class EdgeSession:
             self.link.drop_in_flight()
         if not self.seq_known:
             self.seq_known = True
-            if self.state is not None:
-                self._persist(now, force=True)  # pending sums get their seqs before any is sent
+            self._save(now, force=True)  # pending sums get their seqs before any is sent
         self._on_durable_list(msg, now)
         if new_instance:
             self._covers(now)  # reloaded flights (edge/persistence.py) go again now
@@ -858,49 +745,22 @@ class EdgeSession:
 
     # ---------------------------------------------------------------- durability
     def _commit(self, instance: str, durable_epoch: int) -> None:
-        """`instance` has written checkpoint `durable_epoch`: release what it covers."""
-        if not instance or durable_epoch <= self._durable_seen.get(instance, 0):
-            return
-        self._durable_seen[instance] = durable_epoch
-        while len(self._durable_seen) > 64:  # instances long gone
-            del self._durable_seen[next(iter(self._durable_seen))]
-        released = self.cache.commit(instance, durable_epoch)
-        for u, n in enumerate(released):
-            if n:
-                for name in self.cache.units[u].names:
-                    self.metrics.durable.inc(name, by=n)
-        if any(released):  # a unit that waited on its held sums may send again
-            with self._lock:
-                self._wanted.update(
-                    u for u, n in enumerate(released) if n and self.cache.units[u].pending_count
-                )
+        """`instance` has written checkpoint `durable_epoch`: a unit that waited on its held sums
+        may send again."""
+        self._want_again(self.durability.commit(instance, durable_epoch))
 
     def _on_durable_list(self, msg: Welcome, now: float) -> None:
         """The welcome's answer about held instances: durable through a version, or lost."""
-        moved_any = False
-        for instance, version in msg.durable:
-            self._commit(instance, version)
-            if instance == msg.gateway_id:
-                continue  # alive: the rest of what it holds becomes durable with its next commits
-            moved = self.cache.lost_to_pending(instance, version)
-            for u, n in enumerate(moved):
-                if n:
-                    moved_any = True
-                    for name in self.cache.units[u].names:
-                        self.metrics.resent_lost.inc(name, by=n)
-            if any(moved):
-                log.warning(
-                    "gateway instance %s died before writing %d acknowledged step-gradients of this "
-                    "edge to disk (its newest checkpoint in this lineage is %d): sending them again",
-                    instance,
-                    sum(moved),
-                    version,
-                )
-                with self._lock:
-                    self._wanted.update(u for u, n in enumerate(moved) if n)
-        if moved_any and self.state is not None:
+        released, moved = self.durability.lost(msg.durable, alive=msg.gateway_id)
+        self._want_again(released)
+        if any(moved):
+            self._want_again(moved)
             # Before anything is sent: a reload must not find those sums held *and* in pending.
-            self._persist(now, force=True)
+            self._save(now, force=True)
+
+    def _want_again(self, per_unit: Sequence[int]) -> None:
+        with self._lock:
+            self._wanted.update(u for u, n in enumerate(per_unit) if n and self.cache.units[u].pending_count)
 
     def _covers(self, sent_at: float) -> None:
         """An answer to a request sent at `sent_at` came: on a FIFO link, whatever was sent before
@@ -953,18 +813,15 @@ class EdgeSession:
         u = self.flights.answered(seq)
         assert u is not None
         # Applied by a gateway that checkpoints: held until its checkpoint of `epoch` is on disk.
-        hold = (instance, epoch) if accepted and epoch and instance else None
-        if hold is not None and epoch <= self._durable_seen.get(instance, 0):
-            hold = None  # that checkpoint is on disk already (a late or repeated verdict)
-        flight = self.cache.resolve(u, hold)
+        hold = self.durability.hold(instance, epoch) if accepted else None
+        durable = accepted and hold is None and bool(epoch)  # that checkpoint is on disk already
+        flight = self.cache.resolve(u, hold, durable)
         if flight is None:
             return
-        unit = self.cache.units[u]
         if not accepted:
             self.cache.dropped(u, flight)
-        elif hold is None and epoch:
-            unit.durable += flight.count
-            for name in unit.names:
+        elif durable:
+            for name in self.cache.units[u].names:
                 self.metrics.durable.inc(name, by=flight.count)
         names = self.cache.units[u].names
         for name in names:
@@ -999,7 +856,7 @@ class EdgeSession:
 
     def _ask_model(self, now: float) -> None:
         """Ask for the next slices of the model being downloaded, as far as the downlink drains them."""
-        if not self.welcomed or not self._connected:
+        if not self.welcomed or not self.connection.up:
             return
         with self._lock:
             refetch, self._refetch = self._refetch, False
@@ -1079,16 +936,11 @@ class EdgeSession:
     def _tick(self, now: float) -> None:
         with self._lock:
             requests, self._save_requests = self._save_requests, []
-        if requests and self.state is not None:
-            self._persist(now, force=True)
-            if not self._must_save:
-                for done in requests:
-                    done.set()
-        if self.state is not None and (now >= self._next_persist or self._window_needs_save()):
-            self._persist(now)
-        elif self._must_save and now >= self._save_retry_at:
-            self._persist(now, force=True)  # sending waits for it
-        if not self._connected:
+        if requests and self._save(now, force=True):
+            for done in requests:
+                done.set()
+        self.durability.tick(now, self.seq, self.window, self._take_for_save)
+        if not self.connection.up:
             return
         for u, flight in self.flights.overdue(now):
             self._miss(u, flight)
@@ -1096,81 +948,23 @@ class EdgeSession:
         # Model requests first: they are small, and would otherwise wait behind the pushes below.
         self._ask_model(now)
         self._schedule(now, answered_since=covers)
-        if now - self._last_recv > self._silence_allowed():
+        if self.connection.dead(now, self._queued_s()):
             self._reconnect(now)
         elif self.welcomed and self.flights.waiting() and now - self._last_probe >= self._probe_s:
             # Weak pushes wait for the link to answer: ask it, more often than an idle heartbeat.
             self._last_probe = now
-            self._heartbeat(now)
+            self.connection.probe(now, self._resolved_below())
         elif not self.welcomed:
             if now - self._last_hello >= self._probe_s:  # Lazy Pirate: ask again until answered
                 self._say_hello(now)
-        elif now - self._last_send >= self.options.heartbeat_s:
-            self._heartbeat(now)
+        elif self.connection.idle(now):
+            self.connection.probe(now, self._resolved_below())
 
-    def _silence_allowed(self) -> float:
-        """Liveness judged by progress: the heartbeats' allowance, plus what the link needs to carry
-        what is queued on it each way (an answer waits behind it), at most a minute more."""
-        queued = self.uplink.expected_s(self._queued_bytes) + self.downlink.expected_s(
+    def _queued_s(self) -> float:
+        """What the link needs to carry what is queued on it each way: an answer waits behind it."""
+        return self.uplink.expected_s(self._queued_bytes) + self.downlink.expected_s(
             self.download.outstanding_bytes()
         )
-        return self.options.heartbeat_s * self.options.liveness + self._grace + min(60.0, queued)
-
-    def _signature(self) -> tuple[int, ...]:
-        """Changes whenever the state worth saving does (cheap: counts, not bytes)."""
-        units = self.cache.units
-        return (
-            self.seq,
-            sum(u.produced for u in units),
-            sum(u.durable + u.dropped for u in units),
-            len(self.flights),
-            self.cache.held_steps(),
-        )
-
-    def _window_needs_save(self) -> bool:
-        """Half the gateway's verdict window is used since the last save, and a save would free it.
-
-        The gateway keeps verdicts from the oldest seq the last save could re-send; saving
-        early (rather than waiting for `persist_every_s`) keeps a fast edge from stalling on
-        `window` refusals.
-        """
-        saved = self._saved_floor
-        if saved is None or self.seq - saved < self.window // 2:
-            return False
-        return self.flights.oldest(self.seq) > saved
-
-    def _persist(self, now: float, force: bool = False) -> None:
-        """Save when something changed (`force`: always, and nothing more is sent until it worked:
-        forced saves are the ones that make sending safe, see _on_welcome and _on_durable_list)."""
-        assert self.state is not None
-        self._next_persist = now + self.options.persist_every_s
-        signature = self._signature()
-        if not force and signature == self._persisted and not self._must_save:
-            return
-        if force:
-            self._must_save = True
-        floor = self._saved_floor
-        self._saved_floor = None  # what the save about to be written could re-send, not the last one
-        self._take_for_save(now)
-        try:
-            self.state.save(self.cache, self.manifest, self.seq)
-        except OSError as exc:  # a full or read-only disk must not stop training; say so
-            self._saved_floor = floor
-            self._save_retry_at = now + 0.5
-            log.error("could not save the edge state to %s: %s", self.options.state_dir, exc)
-            return
-        self._must_save = False
-        self.flights.saved()
-        self._saved_floor = self._oldest_unanswered()
-        self._persisted = self._signature()
-        self.metrics.persists.inc()
-
-    def _heartbeat(self, now: float) -> None:
-        nonce = next(self._nonce)
-        self._probes_sent[nonce] = now
-        while len(self._probes_sent) > 256:  # answers to older probes no longer matter
-            self._probes_sent.popitem(last=False)
-        self._send(encode(Heartbeat(nonce=nonce, resolved_below=self._oldest_unanswered())), now)
 
     # ---------------------------------------------------------------------- state
     def status(self) -> dict[str, object]:

@@ -161,7 +161,7 @@ def test_render_prometheus_and_the_endpoint_are_one_format(servers) -> None:
 
 def test_the_real_gateway_and_edge_registries_keep_their_names() -> None:
     from elasticfed.cloud.gateway import GatewayMetrics
-    from elasticfed.edge.session import EdgeMetrics
+    from elasticfed.edge.metrics import EdgeMetrics
 
     for owner in (GatewayMetrics(), EdgeMetrics()):
         m = owner.registry
