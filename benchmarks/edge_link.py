@@ -223,7 +223,7 @@ class Pusher:
     """Our session and cache against one gateway; `run` measures, as often as asked, over one session.
 
     `client_id` must be new to the gateway (a known one would start again at seq 1, below
-    the gateway's floor for it: its pushes would be answered as duplicates, not applied).
+    the gateway's resolved_below for it: its pushes would be answered as duplicates, not applied).
     """
 
     def __init__(

@@ -391,7 +391,7 @@ class DeadlineQuorum:
     on a fast link that is nothing, on a slow one it keeps a round from closing on a layer
     or two and minting a version every few seconds that no download can keep up with.
 
-    The floor is the other direction of the same link: the time the contributors' last model
+    The minimum open time is the other direction of the same link: the time the contributors' last model
     downloads took (the quorum-th fastest; `OpenRound.fetch_s`), at most `max_stretch_s`.
     Compressed contributions are small: at 5 Mbit/s a 4.5 MB model's pushes completed a
     round every 0.28 s while a patch took a second to come down, so every edge trained on a
@@ -413,7 +413,7 @@ class DeadlineQuorum:
     def should_close(self, round_: OpenRound, now: float) -> bool:
         if round_.opened_at is None:
             return False  # nothing to apply
-        if now < round_.opened_at + self.floor(round_):
+        if now < round_.opened_at + self.min_open_s(round_):
             return False
         if round_.complete_clients() >= self.quorum:
             return True
@@ -423,8 +423,8 @@ class DeadlineQuorum:
         if round_.opened_at is None:
             return None
         if round_.complete_clients() >= self.quorum:
-            return round_.opened_at + self.floor(round_) - now
-        return max(self.deadline(round_), round_.opened_at + self.floor(round_)) - now
+            return round_.opened_at + self.min_open_s(round_) - now
+        return max(self.deadline(round_), round_.opened_at + self.min_open_s(round_)) - now
 
     def deadline(self, round_: OpenRound) -> float:
         assert round_.opened_at is not None
@@ -433,7 +433,7 @@ class DeadlineQuorum:
     def stretch(self, round_: OpenRound) -> float:
         return self._quorum_th(round_.delivery_s)
 
-    def floor(self, round_: OpenRound) -> float:
+    def min_open_s(self, round_: OpenRound) -> float:
         """Seconds a round stays open at least: what the contributors need to fetch a version."""
         return self._quorum_th(round_.fetch_s)
 

@@ -1,8 +1,9 @@
 """What a gateway remembers of one edge: where to answer it and the verdicts it may not have heard.
 
 Exactly-once rests here: a push's verdict is kept until the edge says it no longer needs it
-(its floor), so a re-sent copy gets the first verdict again instead of being applied twice.
-Checkpoints save the floor and the verdicts (cloud/durability.py); the rest is this instance's.
+(`resolved_below`: every seq below it is resolved on the edge's side), so a re-sent copy gets
+the first verdict again instead of being applied twice.  Checkpoints save `resolved_below` and
+the verdicts (cloud/durability.py); the rest is this instance's.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ class ClientState:
 
     client_id: str
     route: bytes
-    floor: int = 0  # every seq below this is resolved on the edge's side
+    resolved_below: int = 0  # every seq below this is resolved on the edge's side
     # seq -> (code, attempt, epoch): code "" is applied; attempt is the copy of the push that was
     # judged; epoch the checkpoint that makes an applied push durable (0: none).
     verdicts: dict[int, tuple[str, int, int]] = field(default_factory=dict)
@@ -26,7 +27,7 @@ class ClientState:
     # Said hello to this gateway instance.  Not so for a state restored from a checkpoint: the
     # edge must say hello (and learn of the restart) before a push is accepted.
     welcomed: bool = False
-    # The newest epoch among applied verdicts forgotten below the floor: a duplicate from down
+    # The newest epoch among applied verdicts forgotten below `resolved_below`: a duplicate from down
     # there was applied in a checkpoint up to it (see _on_push).
     forgotten_epoch: int = 0
     # The model version this edge is downloading (chunks served), and when it last asked: on a
@@ -45,10 +46,13 @@ class ClientState:
         seqs = self.order if len(self.order) <= limit else heapq.nsmallest(limit, self.order)
         return tuple((seq, self.verdicts[seq][0], self.verdicts[seq][2]) for seq in sorted(seqs))
 
-    def raise_floor(self, floor: int) -> None:
-        """The edge no longer needs verdicts below `floor`: forget them (bounded memory)."""
-        self.floor = floor
-        while self.order and self.order[0] < floor:
+    def resolve_below(self, seq: int) -> None:
+        """The edge says it no longer needs verdicts below `seq`: forget them (bounded memory).
+        It only ever rises: a late message naming a lower one changes nothing."""
+        if seq <= self.resolved_below:
+            return
+        self.resolved_below = seq
+        while self.order and self.order[0] < seq:
             verdict = self.verdicts.pop(heapq.heappop(self.order), None)
             if verdict is not None and not verdict[0]:
                 self.forgotten_epoch = max(self.forgotten_epoch, verdict[2])

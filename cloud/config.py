@@ -342,3 +342,30 @@ class DemoConfig:
         "fails or the count audit does not add up",
     )
     task: str = task_setting()
+
+
+def contradictions(config: CloudConfig) -> str | None:
+    """Settings that are each valid but say opposite things together; checked before anything starts."""
+    g = config.gateway
+    if g.optimizer != "sgd" and g.momentum:
+        return (
+            f"--gateway-momentum {g.momentum} is SGD's; --gateway-optimizer {g.optimizer} has its own "
+            "(--gateway-beta1): set one or the other"
+        )
+    if g.credit > g.window:
+        return (
+            f"--gateway-credit {g.credit} lets an edge have more pushes outstanding than the verdicts "
+            f"the gateway keeps for it (--gateway-window {g.window}): the pushes beyond would be refused "
+            "and sent again forever; raise the window or lower the credit"
+        )
+    if g.quorum > g.max_clients:
+        return (
+            f"--gateway-quorum {g.quorum} is more edges than the gateway serves (--gateway-max-clients "
+            f"{g.max_clients}): no round could reach it, every round would wait for its deadline"
+        )
+    if config.mode == "hybrid" and g.optimizer != "sgd":
+        return (
+            f"--gateway-optimizer {g.optimizer}: in hybrid mode the cloud trainer's optimizer applies "
+            "the edges' rounds (mixed into its gradients); the gateway has none of its own"
+        )
+    return None

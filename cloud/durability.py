@@ -2,7 +2,7 @@
 
 A checkpoint is taken right after a round closes, when every accumulator is
 empty: the model, the optimizer's state, the model version and round number,
-and each device's de-duplication state (its floor and recent verdicts) are then
+and each device's de-duplication state (`resolved_below` and its recent verdicts) are then
 one consistent picture, in which every push the gateway judged is either in the
 model or refused.  Files are `common/checkpoint.py` files (safetensors + JSON,
 atomic, validated); a torn or foreign one is skipped with a message naming it.
@@ -63,7 +63,7 @@ class GatewayState:
     version: int
     round: int  # the number of the next round to open
     epoch: int
-    clients: dict[str, ClientState]  # floors and verdicts (routes are this instance's)
+    clients: dict[str, ClientState]  # resolved_below and verdicts (routes are this instance's)
     lineage: dict[str, int]  # instance -> the newest checkpoint it wrote, that this descends from
     applied_steps: dict[str, dict[str, int]]  # client -> layer -> step-gradients applied (audit)
     ema: tuple[dict[str, torch.Tensor], int] | None = None  # (average, versions folded); None: none
@@ -159,7 +159,7 @@ def encode(state: GatewayState, lineage_max: int = 1024) -> tuple[dict[str, torc
         tensors.update({EMA_PREFIX + n: t for n, t in averaged.items()})
     clients = {
         cid: {
-            "floor": client.floor,
+            "resolved_below": client.resolved_below,
             "verdicts": [
                 [seq, code, attempt, epoch] for seq, (code, attempt, epoch) in sorted(client.verdicts.items())
             ],
@@ -198,10 +198,11 @@ def decode(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> GatewaySta
     clients = {}
     for cid, entry in meta["clients"].items():
         client = ClientState(str(cid), route=b"")
-        client.floor = int(entry["floor"])
+        # ("floor": its name in checkpoints written before it took the wire's name)
+        client.resolved_below = int(entry["resolved_below"] if "resolved_below" in entry else entry["floor"])
         for seq, code, attempt, verdict_epoch in entry["verdicts"]:
             client.record(int(seq), str(code), int(attempt), int(verdict_epoch))
-        client.forgotten_epoch = int(epoch)  # everything below the floor is in this file
+        client.forgotten_epoch = int(epoch)  # everything below resolved_below is in this file
         clients[str(cid)] = client
     return GatewayState(
         manifest=str(meta.get("manifest")),

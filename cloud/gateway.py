@@ -628,8 +628,7 @@ class Gateway:
             self.metrics.bytes.inc(state.client_id, by=size)
             self._on_push(route, state, msg, now)
         elif isinstance(msg, Heartbeat):
-            if msg.resolved_below > state.floor:
-                state.raise_floor(msg.resolved_below)
+            state.resolve_below(msg.resolved_below)
             self._reply(
                 route,
                 Heartbeat(
@@ -687,8 +686,7 @@ class Gateway:
         self.routes[route] = msg.client_id
         state.last_seen = now
         state.welcomed = True
-        if msg.resolved_below > state.floor:
-            state.raise_floor(msg.resolved_below)
+        state.resolve_below(msg.resolved_below)
         self.metrics.clients.set(value=len(self.clients))
         # Every instance asked about is answered: one this gateway does not descend from wrote
         # nothing it resumed from (0), so what it acknowledged is to be sent again.
@@ -705,7 +703,7 @@ class Gateway:
                 manifest_digest=self.manifest.digest,
                 model_version=self.served_version,
                 durable=tuple(durable),
-                next_seq=max(state.floor, max(state.verdicts, default=-1) + 1),
+                next_seq=max(state.resolved_below, max(state.verdicts, default=-1) + 1),
                 settings={
                     "credit": self.options.credit,
                     "window": self.options.window,
@@ -732,8 +730,7 @@ class Gateway:
         """Judge a push by the checks in order (cloud/verdicts.py), the first verdict wins; a push
         that passes them all enters the open round.  Then record, count and answer, in one place."""
         self.metrics.pushes.inc(state.client_id)
-        if msg.resolved_below > state.floor:
-            state.raise_floor(msg.resolved_below)
+        state.resolve_below(msg.resolved_below)
         verdict = verdicts.repeated(state, msg, self.durable_epoch) or verdicts.beyond_window(
             state, msg, self.options.window
         )
@@ -751,7 +748,7 @@ class Gateway:
         verdict = verdicts.too_stale(msg, staleness, avoidable, self.weighting)
         if verdict is not None:
             return verdict
-        if not msg.layers:  # nothing to add; only the verdict (and the floor) matter
+        if not msg.layers:  # nothing to add; only the verdict (and resolved_below) matter
             return Verdict.applied(msg.attempt, self._epoch())
         # A sparse push stays sparse (its k entries, not the layer's n): checks, the audit and the
         # accumulators take either (cloud/aggregation.py).

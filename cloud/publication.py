@@ -74,7 +74,7 @@ class PublicModel:
         self.distance = 0.0  # |x_global - x_public| / |x_global| after the last advance
         self.digests: OrderedDict[int, int] = OrderedDict()  # version -> digest of x_public then
         self._changes: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
-        self._floor = 0  # the oldest version a patch may start from (its successors' changes are kept)
+        self._oldest_base = 0  # the oldest version a patch may start from (its successors' changes are kept)
         self._patches: OrderedDict[tuple[int, int], Patch | None] = OrderedDict()  # None: too large
 
     def advance(self, version: int, target: torch.Tensor) -> torch.Tensor:
@@ -114,11 +114,11 @@ class PublicModel:
             self.digests.popitem(last=False)
         if changes is None:
             self._changes.clear()
-            self._floor = version  # nothing before this version can be patched
+            self._oldest_base = version  # nothing before this version can be patched
         else:
             self._changes[version] = changes
             while len(self._changes) > self.history:
-                self._floor, _ = self._changes.popitem(last=False)  # its changes are gone
+                self._oldest_base, _ = self._changes.popitem(last=False)  # its changes are gone
         return self.blob
 
     def patch(self, base: int, version: int) -> Patch | None:
@@ -127,7 +127,7 @@ class PublicModel:
         if (base, version) in self._patches:
             self._patches.move_to_end((base, version))
             return self._patches[(base, version)]
-        if version != self.version or self.blob is None or not self._floor <= base < version:
+        if version != self.version or self.blob is None or not self._oldest_base <= base < version:
             return None
         steps = [v for v in self._changes if v > base]
         views = blob.unpack(self.manifest, self.blob)

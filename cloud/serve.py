@@ -42,7 +42,7 @@ from elasticfed.cloud.aggregation import (
     aggregation_named,
 )
 from elasticfed.cloud.collectives import CollectiveError
-from elasticfed.cloud.config import CloudConfig
+from elasticfed.cloud.config import CloudConfig, contradictions
 from elasticfed.cloud.durability import GatewayCheckpoints
 from elasticfed.cloud.ema import ModelEma
 from elasticfed.cloud.gateway import Gateway, GatewayDiverged, GatewayOptions, ModelUpdate, RoundSummary
@@ -241,22 +241,6 @@ def start_metrics(bind: str, *registries: Metrics, extra: list[ExtraGauge]) -> M
     server = serve_metrics(bind, *registries, extra=extra, process_metrics=True)
     log.info("Prometheus metrics at %s", server.url)
     return server
-
-
-def contradictions(config: CloudConfig) -> str | None:
-    """Settings that are each valid but say opposite things together; checked before anything starts."""
-    g = config.gateway
-    if g.optimizer != "sgd" and g.momentum:
-        return (
-            f"--gateway-momentum {g.momentum} is SGD's; --gateway-optimizer {g.optimizer} has its own "
-            "(--gateway-beta1): set one or the other"
-        )
-    if config.mode == "hybrid" and g.optimizer != "sgd":
-        return (
-            f"--gateway-optimizer {g.optimizer}: in hybrid mode the cloud trainer's optimizer applies "
-            "the edges' rounds (mixed into its gradients); the gateway has none of its own"
-        )
-    return None
 
 
 def run(args: argparse.Namespace, config: CloudConfig) -> int:

@@ -54,9 +54,9 @@ class Verdict:
 def repeated(state: ClientState, msg: Push, durable_epoch: int) -> Verdict | None:
     """A push judged before gets its first verdict again, never a second application.
 
-    Below the floor the verdict is forgotten: the push was judged in this model's history, at
+    Below `resolved_below` the verdict is forgotten: the push was judged in this model's history, at
     the latest in the checkpoint of the newest epoch forgotten (or the restored one)."""
-    if msg.seq >= state.floor and msg.seq not in state.verdicts:
+    if msg.seq >= state.resolved_below and msg.seq not in state.verdicts:
         return None
     forgotten = state.forgotten_epoch or durable_epoch
     code, attempt, epoch = state.verdicts.get(msg.seq, ("", 0, forgotten))
@@ -72,11 +72,11 @@ def repeated(state: ClientState, msg: Push, durable_epoch: int) -> Verdict | Non
 
 
 def beyond_window(state: ClientState, msg: Push, window: int) -> Verdict | None:
-    """A push too far ahead of the floor is refused unremembered: the edge sends it again later."""
-    if msg.seq < state.floor + window and len(state.verdicts) < window:
+    """A push too far ahead of `resolved_below` is refused unremembered: the edge sends it again later."""
+    if msg.seq < state.resolved_below + window and len(state.verdicts) < window:
         return None
     return Verdict.refused(
-        Reason.WINDOW, f"seq {msg.seq} is beyond the window from {state.floor}", recorded=False
+        Reason.WINDOW, f"seq {msg.seq} is beyond the window from {state.resolved_below}", recorded=False
     )
 
 

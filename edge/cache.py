@@ -1,7 +1,8 @@
 """The edge's CPU-side gradient cache: per unit, what is not yet sent and the one unanswered send.
 
-Each unit (one layer, or small layers packed together) owns at most two host
-buffers, whatever the number of steps or the length of an outage:
+Each unit (one layer, or small layers packed together) owns a fixed number of
+host buffers, whatever the number of steps or the length of an outage (the
+bound is `bound_bytes`; the README's "Bounded memory" states it):
 
 - `pending`: the sum of step-gradients produced since the last send, with their
   count (backward adds into it; a sync hands it over);
@@ -21,7 +22,7 @@ which checkpoint (`epoch`, a checkpoint number) will hold the push, and later th
 the checkpoint is on disk (a commit).  Until then the push's buffer is *held*:
 acknowledged pushes of a unit with the same gateway instance and epoch are
 summed into one held buffer, and a unit with `MAX_HELD` held buffers takes no
-new flight (its pending count grows instead), so memory stays bounded at four
+new flight (its pending count grows instead), so held sums add at most `MAX_HELD`
 buffers per unit whatever the commit delay.  If the gateway instance dies before
 its checkpoint, the held sums go back into `pending` and are sent again (see
 `lost_to_pending`); the restarted gateway never saw them, so they count once.
@@ -153,7 +154,7 @@ class UnitState:
 
 
 class GradientCache:
-    """Pending sums and unanswered sends for every unit; bounded by two buffers per unit."""
+    """Pending sums, unanswered sends and held sums for every unit; bounded (`bound_bytes`)."""
 
     def __init__(
         self,

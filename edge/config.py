@@ -168,3 +168,28 @@ class EdgeConfig:
     train: EdgeTrain = section(EdgeTrain, "local training")
     security: EdgeSecurity = section(EdgeSecurity, "CURVE keys")
     thermal: EdgeThermal = section(EdgeThermal, "pause training when the device runs hot")
+
+
+LIVENESS = 5  # heartbeats of silence after which the edge replaces its connection (edge/connection.py)
+
+
+def contradictions(config: EdgeConfig) -> str | None:
+    """Settings that are each valid but say opposite things together; checked before anything starts."""
+    if config.timeout_ms > LIVENESS * config.heartbeat_ms:
+        return (
+            f"--timeout-ms {config.timeout_ms} is longer than the silence after which the connection is "
+            f"replaced ({LIVENESS} x --heartbeat-ms {config.heartbeat_ms} = {LIVENESS * config.heartbeat_ms} "
+            "ms): a push could not go weak before its connection is given up, and weak pushes' re-send "
+            "interval would start above its cap; lower --timeout-ms or raise --heartbeat-ms"
+        )
+    if config.audit_mass and not config.state_dir:
+        return "--audit-mass writes to --state-dir, which is empty"
+    t = config.thermal
+    if t.resume_below_c and not t.pause_above_c:
+        return "--thermal-resume-below-c is set but the guard is off (--thermal-pause-above-c 0)"
+    if t.pause_above_c and t.resume_below_c >= t.pause_above_c:
+        return (
+            f"--thermal-resume-below-c {t.resume_below_c} must be below --thermal-pause-above-c "
+            f"{t.pause_above_c}: without a gap the guard would pause and resume at every reading"
+        )
+    return None

@@ -37,7 +37,7 @@ from elasticfed.common.metrics_http import ExtraGauge, MetricsServer, serve_metr
 from elasticfed.common.progress import ProgressBar
 from elasticfed.common.task import TaskError, load_task, shard
 from elasticfed.edge.agent import ElasticEdge
-from elasticfed.edge.config import EdgeConfig
+from elasticfed.edge.config import EdgeConfig, contradictions
 from elasticfed.edge.persistence import MASS_AUDIT_FILE, write_mass_audit
 from elasticfed.edge.session import EdgeRefused, SessionOptions
 from elasticfed.edge.thermal import NoThermalZones, ThermalGuard
@@ -158,8 +158,9 @@ def run(args: argparse.Namespace, config: EdgeConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     configure_logging(config.log_level, config.log_format, role="edge")
-    if config.audit_mass and not config.state_dir:
-        return fail("edge", "--audit-mass writes to --state-dir, which is empty")
+    problem = contradictions(config)
+    if problem is not None:
+        return fail("edge", problem)
     try:
         curve = load_curve(config)
     except KeyFileError as exc:

@@ -71,6 +71,7 @@ from elasticfed.common.keys import KeyPair
 from elasticfed.common.link import Backoff, Faults
 from elasticfed.common.transport import DealerLink, FaultyLink, Link, Tracker
 from elasticfed.edge.cache import Flight, FlightState, GradientCache
+from elasticfed.edge.config import LIVENESS
 from elasticfed.edge.connection import Connection
 from elasticfed.edge.download import ModelDownload
 from elasticfed.edge.durability import Durability
@@ -114,7 +115,7 @@ class SessionOptions:
     client_id: str
     timeout_s: float = 0.5
     heartbeat_s: float = 1.0
-    liveness: int = 5
+    liveness: int = LIVENESS  # heartbeats of silence before the connection is replaced
     reconnect_first_s: float = 0.2
     reconnect_cap_s: float = 5.0
     faults: Faults = field(default_factory=Faults)
@@ -136,6 +137,12 @@ class SessionOptions:
             raise ValueError(f"model_chunk_bytes must be in [1 KiB, 4 MiB], got {self.model_chunk_bytes}")
         if self.liveness < 1:
             raise ValueError("liveness is a number of heartbeats, at least 1")
+        if self.timeout_s > self.heartbeat_s * self.liveness:
+            raise ValueError(
+                f"timeout_s ({self.timeout_s}) must be at most heartbeat_s x liveness "
+                f"({self.heartbeat_s} x {self.liveness}), the silence after which the connection is "
+                "replaced: a push must be able to go weak (and be re-sent) before that"
+            )
         if self.persist_every_s <= 0:
             raise ValueError("persist_every_s must be positive")
         if not self.client_id:

@@ -187,7 +187,7 @@ def test_requests_are_asked_again_only_after_the_re_ask_interval() -> None:
 
 def test_the_meter_measures_a_busy_fifo_link_and_ignores_idle_gaps() -> None:
     meter = LinkMeter(initial_bps=1e3)
-    assert meter.budget(5000) == 256 * 1024  # the floor, until measured
+    assert meter.budget(5000) == 256 * 1024  # the minimum, until measured
     rate = 1.25e6  # 10 Mbit/s
     size = 256 * 1024
     # Four messages sent at once: each answer comes one message's link time after the previous.
@@ -389,7 +389,7 @@ def test_pushes_of_an_edge_still_downloading_are_not_dropped_for_versions_it_cou
 
 
 def test_a_round_waits_for_the_download_time_an_edge_reports(gateway: Gateway) -> None:
-    """Over a real socket: `fetch_ms` in an edge's request becomes the floor of the rounds it
+    """Over a real socket: `fetch_ms` in an edge's request becomes the minimum open time of the rounds it
     contributes to (quorum 1 would otherwise close on its push at once)."""
     clock = [100.0]
     gateway.clock = lambda: clock[0]

@@ -378,8 +378,10 @@ def test_sigterm_saves_the_edge_state_and_the_next_start_loads_it_even_before_tr
     assert first.proc.wait(60) == 5  # exit 5: stopped with gradients undelivered (and saved)
     summary = first.wait_for(lambda e: e.get("event") == "summary", 10, "a summary")
     assert summary["undelivered_steps"] == summary["steps"] >= 20  # saved at exit, not on a timer
-    # A long --timeout-ms: it waits for the gateway (nobody) far longer than this test takes.
-    again = edge(endpoint, "sigterm", "--train-max-steps", "1", "--timeout-ms", "60000", *flags)
+    # A long --timeout-ms: it waits for the gateway (nobody) far longer than this test takes (and
+    # heartbeats to match: a deadline past the connection's liveness is refused).
+    slow = ["--timeout-ms", "60000", "--heartbeat-ms", "12000"]
+    again = edge(endpoint, "sigterm", "--train-max-steps", "1", *slow, *flags)
     procs.append(again)
     start = again.wait_for(lambda e: e.get("event") == "start", 60, "a start event")
     assert start["resumed_from"] is not None and start["skipped_states"] == []

@@ -278,26 +278,26 @@ def test_a_round_waits_as_long_as_its_contributors_links_need_for_a_whole_contri
 
 def test_a_round_stays_open_as_long_as_its_contributors_take_to_fetch_a_version() -> None:
     # Compressed contributions complete a round in a fraction of a second; a version minted
-    # faster than the edges download it only ages their work.  The floor is the quorum-th
+    # faster than the edges download it only ages their work.  The minimum open time is the quorum-th
     # fastest contributor's last download time, capped like the stretch.
     policy = DeadlineQuorum(deadline_s=1.0, quorum=1, max_stretch_s=30.0)
     rnd = OpenRound(number=1, layers=2)
     rnd.record("a", [0, 1], 1, 0, now=10.0, fetch_s=2.5)
-    assert policy.floor(rnd) == 2.5
+    assert policy.min_open_s(rnd) == 2.5
     assert not policy.should_close(rnd, now=12.4)  # complete, but no edge could fetch it yet
     assert policy.time_left(rnd, now=12.0) == pytest.approx(0.5)
     assert policy.should_close(rnd, now=12.5)
     rnd.record("b", [0, 1], 1, 0, now=10.1, fetch_s=0.5)
-    assert policy.floor(rnd) == 0.5 and policy.should_close(rnd, now=10.5)  # the fastest, for a quorum of 1
+    assert policy.min_open_s(rnd) == 0.5 and policy.should_close(rnd, now=10.5)  # quorum 1: fastest
     slow = OpenRound(number=2, layers=2)
     slow.record("a", [0], 1, 0, now=0.0, fetch_s=8.0)  # incomplete: the deadline (1 s) is earlier
     assert not policy.should_close(slow, now=7.9) and policy.should_close(slow, now=8.0)
     assert policy.time_left(slow, now=0.0) == pytest.approx(8.0)
     hostile = OpenRound(number=3, layers=2)
     hostile.record("a", [0, 1], 1, 0, now=0.0, fetch_s=1e9)
-    assert policy.floor(hostile) == 30.0
+    assert policy.min_open_s(hostile) == 30.0
     fresh = OpenRound(number=4, layers=2)
-    fresh.record("a", [0, 1], 1, 0, now=0.0)  # no download finished yet: no floor
+    fresh.record("a", [0, 1], 1, 0, now=0.0)  # no download finished yet: no minimum
     assert policy.should_close(fresh, now=0.0)
 
 
@@ -743,7 +743,7 @@ def test_the_welcome_answers_every_instance_the_edge_holds_pushes_of(gateway: Ga
     assert welcome.settings["commits"] is False and welcome.next_seq == 0
 
 
-def test_a_hello_raises_the_floor_so_a_late_copy_below_it_is_never_applied(gateway: Gateway) -> None:
+def test_a_hello_raises_resolved_below_so_a_late_copy_below_it_is_never_applied(gateway: Gateway) -> None:
     # After a restart, a proxy could still deliver an old copy of a push the edge has resolved
     # (and, if a dead gateway applied it, sends again as a new push): it must count as a duplicate.
     peer = Peer(gateway, "a")

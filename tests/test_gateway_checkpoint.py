@@ -13,7 +13,8 @@ from fleet import Proc, free_port
 from test_gateway import Peer, grads_for, make_model
 
 from elasticfed.cloud.aggregation import DeadlineQuorum
-from elasticfed.cloud.durability import GatewayCheckpoints
+from elasticfed.cloud.clients import ClientState
+from elasticfed.cloud.durability import GatewayCheckpoints, GatewayState, decode, encode
 from elasticfed.cloud.gateway import Gateway, GatewayOptions
 from elasticfed.protocol import Welcome
 
@@ -142,3 +143,25 @@ def test_cloud_serve_resumes_and_says_from_where(tmp_path: Path) -> None:
     assert ready["version"] == 1 and ready["resumed_from"].endswith(".safetensors"), json.dumps(ready)
     proc.signal(signal.SIGTERM)
     proc.summary(30)
+
+
+def test_a_checkpoint_from_before_resolved_below_took_the_wires_name_restores_it() -> None:
+    client = ClientState("cam", b"r", resolved_below=7)
+    client.record(8, "", 0, 3)
+    state = GatewayState(
+        manifest="m",
+        model={"w": torch.zeros(2)},
+        optimizer_tensors={},
+        optimizer_meta={},
+        version=3,
+        round=4,
+        epoch=3,
+        clients={"cam": client},
+        lineage={},
+        applied_steps={},
+    )
+    tensors, meta = encode(state)
+    assert meta["clients"]["cam"]["resolved_below"] == 7
+    meta["clients"]["cam"]["floor"] = meta["clients"]["cam"].pop("resolved_below")  # as written before
+    restored = decode(tensors, meta).clients["cam"]
+    assert restored.resolved_below == 7 and restored.verdicts == {8: ("", 0, 3)}

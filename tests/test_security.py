@@ -359,7 +359,7 @@ def test_a_restored_gateway_wants_a_hello_before_a_push_even_from_a_known_key(tm
             answer = device.push(grads)
             assert isinstance(answer, Ack) and answer.accepted
         with pumped(gateway()) as second:
-            assert "cam-1" in second.clients  # restored: its floor and verdicts
+            assert "cam-1" in second.clients  # restored: its resolved_below and verdicts
             device.reopen()
             refused = device.push(grads)
             assert isinstance(refused, Ack) and not refused.accepted and refused.code == "not_welcomed"

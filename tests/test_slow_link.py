@@ -117,7 +117,7 @@ def test_a_multi_megabyte_model_over_5_mbit_links_trains_without_reconnects_or_s
     # its own cap), or a hundred patches.  Compressed pushes complete a round in a fraction of
     # a second; rounds stay open as long as a contributor's last download took, so versions
     # come about as fast as the edges can hold them (measured: 152 versions, 142-144 adopted
-    # per edge, none dropped as stale; without that floor 215 versions and 8% dropped).
+    # per edge, none dropped as stale; without that minimum open time 215 versions and 8% dropped).
     assert min(figures["models_received"]) >= 4, figures
     assert min(figures["models_adopted"]) >= 2, figures
     assert stale <= 0.05 * produced, figures

@@ -33,19 +33,19 @@ def test_a_push_judged_before_gets_its_first_verdict_again() -> None:
     assert stale is not None and not stale.accepted and stale.code == "stale" and stale.repeat
 
 
-def test_below_the_floor_a_forgotten_verdict_is_an_application_in_a_saved_checkpoint() -> None:
+def test_below_resolved_below_a_forgotten_verdict_is_an_application_in_a_saved_checkpoint() -> None:
     state = ClientState("a", b"r")
     state.record(1, "", 0, 4)
-    state.raise_floor(2)  # the edge no longer needs seq 1's verdict
+    state.resolve_below(2)  # the edge no longer needs seq 1's verdict
     forgotten = verdicts.repeated(state, push(1), durable_epoch=9)
     assert forgotten is not None and forgotten.accepted and forgotten.epoch == 4
-    restored = ClientState("b", b"r", floor=5)  # nothing forgotten here: the restored checkpoint's
+    restored = ClientState("b", b"r", resolved_below=5)  # nothing forgotten here: the restored checkpoint's
     old = verdicts.repeated(restored, push(2), durable_epoch=9)
     assert old is not None and old.accepted and old.epoch == 9
 
 
 def test_a_push_beyond_the_window_is_refused_and_not_remembered() -> None:
-    state = ClientState("a", b"r", floor=10)
+    state = ClientState("a", b"r", resolved_below=10)
     assert verdicts.beyond_window(state, push(13), window=4) is None
     far = verdicts.beyond_window(state, push(14), window=4)
     assert far is not None and far.code == "window" and not far.recorded and not far.repeat
