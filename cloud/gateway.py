@@ -64,7 +64,7 @@ from elasticfed.cloud.publication import PublicModel, downlink_ratio
 from elasticfed.cloud.verdicts import NORM_POLICIES, Verdict
 from elasticfed.cloud.watch import LossWatch
 from elasticfed.common.checkpoint import CheckpointError, load_optimizer_state, optimizer_state_tensors
-from elasticfed.common.hooks import trainable_parameters
+from elasticfed.common.gradient_hooks import trainable_parameters
 from elasticfed.common.link import TokenBucket
 from elasticfed.common.metrics import LATENCY_BUCKETS_S, STALENESS_BUCKETS, Metrics
 from elasticfed.common.transport import Link, Received, Refusal, RouterLink, SendRefused

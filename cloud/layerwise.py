@@ -1,7 +1,7 @@
 """`LayerwiseDDP`: a drop-in for DistributedDataParallel that syncs each layer as backward produces it.
 
 Follow one gradient: `loss.backward()` runs autograd; when a parameter's
-gradient is fully accumulated, `common.hooks.GradientHooks` marks it ready and,
+gradient is fully accumulated, `common.gradient_hooks.GradientHooks` marks it ready and,
 once its whole unit is ready and every earlier unit has gone, calls
 `LayerSync.unit_ready`, which copies the unit's gradients into a flat buffer,
 divides by the world size and starts the unit's compressor (an asynchronous
@@ -33,7 +33,7 @@ from torch import nn
 from elasticfed.cloud import planning
 from elasticfed.cloud.collectives import CollectiveError, UnitComm
 from elasticfed.cloud.compression import Compressor, make_compressor
-from elasticfed.common.hooks import GradientHooks, trainable_parameters
+from elasticfed.common.gradient_hooks import GradientHooks, trainable_parameters
 from elasticfed.protocol.payload import checksum, tensor_buffer
 
 log = logging.getLogger("elasticfed.sync")

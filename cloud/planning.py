@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from elasticfed.common.hooks import default_block_of, group_by_block, pack_by_size
+from elasticfed.common.gradient_hooks import default_block_of, group_by_block, pack_by_size
 
 STRATEGIES = ("layerwise", "blockwise", "adaptive")
 

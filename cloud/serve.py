@@ -59,7 +59,7 @@ from elasticfed.cloud.train import (
 from elasticfed.cloud.watch import LossWatch
 from elasticfed.common.checkpoint import CheckpointError
 from elasticfed.common.exits import EXIT_DIVERGED, EXIT_FAILED, fail
-from elasticfed.common.hooks import trainable_parameters
+from elasticfed.common.gradient_hooks import trainable_parameters
 from elasticfed.common.keys import KeyFileError
 from elasticfed.common.logs import configure_logging
 from elasticfed.common.metrics import Metrics

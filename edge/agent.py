@@ -10,7 +10,7 @@ The training loop stays the user's own:
         optimizer.zero_grad(); loss.backward(); optimizer.step()
     model.close(drain_s=30)               # deliver what is still cached
 
-Backward runs the same hook manager as the cloud (`common/hooks.py`); this
+Backward runs the same hook manager as the cloud (`common/gradient_hooks.py`); this
 module's sink adds each ready unit's gradient into the CPU cache and, on a sync
 step (every `sync_every` backwards), asks the session to push it right away, so
 layers leave while backward is still producing the earlier ones.  Nothing here
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from elasticfed.common.hooks import GradientHooks, pack_by_size, trainable_parameters
+from elasticfed.common.gradient_hooks import GradientHooks, pack_by_size, trainable_parameters
 from elasticfed.common.transport import Link
 from elasticfed.edge.cache import GradientCache
 from elasticfed.edge.compression import Compression, UplinkCompression

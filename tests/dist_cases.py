@@ -444,7 +444,7 @@ def edge_mixing(rank: int, world: int, weight: float, steps: int = 4) -> dict[st
     """
     from elasticfed.cloud.gateway import Gateway
     from elasticfed.cloud.hybrid import EdgeMixing, EdgeRounds
-    from elasticfed.common.hooks import trainable_parameters
+    from elasticfed.common.gradient_hooks import trainable_parameters
 
     torch.manual_seed(0)
     module = MLP()
@@ -508,7 +508,7 @@ def edge_mixing_drain(rank: int, world: int, edges: str, drain_s: float) -> dict
     `drain_s`.  `edges`: "heard" (a heartbeat before every step), "quiet" (none since the start)."""
     from elasticfed.cloud.gateway import Gateway
     from elasticfed.cloud.hybrid import EdgeMixing, EdgeRounds
-    from elasticfed.common.hooks import trainable_parameters
+    from elasticfed.common.gradient_hooks import trainable_parameters
 
     torch.manual_seed(0)
     module = MLP()
@@ -547,7 +547,7 @@ def edge_mixing_stops(rank: int, world: int, why: str) -> dict[str, Any]:
 
     from elasticfed.cloud.gateway import Gateway
     from elasticfed.cloud.hybrid import EdgeMixing, EdgeRounds
-    from elasticfed.common.hooks import trainable_parameters
+    from elasticfed.common.gradient_hooks import trainable_parameters
 
     torch.manual_seed(0)
     module = MLP()

@@ -151,7 +151,7 @@ ZMQ_ALLOWED = {
     "common/transport/zeromq.py",
     "common/keys.py",
     "cloud/admission.py",
-    "common/linksim.py",
+    "common/tools/linksim.py",
 }
 
 

@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from elasticfed.cloud.planning import CommCost, best_plan, boundaries_to_plan, finish_time, plan_to_boundaries
-from elasticfed.common.hooks import (
+from elasticfed.common.gradient_hooks import (
     GradientHooks,
     HookError,
     default_block_of,
