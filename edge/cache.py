@@ -114,6 +114,44 @@ class Held:
 MAX_HELD = 2  # held sums per unit; at this many the unit waits for a commit before sending again
 
 
+@dataclass(frozen=True)
+class SavedFlight:
+    """An unanswered push as saved: it goes again after a restart under the same seq and bytes."""
+
+    seq: int
+    count: int
+    base_version: int
+    buffer: torch.Tensor  # the sum the gateway adds (decoded, when compressed)
+    payloads: tuple[Payload, ...] | None = None  # compressed: per layer, as sent
+
+
+@dataclass(frozen=True)
+class SavedHeld:
+    """A held sum as saved: acknowledged by `instance`, durable with its checkpoint `epoch`."""
+
+    instance: str
+    epoch: int
+    count: int
+    base_version: int
+    buffer: torch.Tensor
+
+
+@dataclass(frozen=True)
+class UnitSnapshot:
+    """One unit's state worth saving, as values: what edge/persistence.py writes and reads back."""
+
+    pending_count: int = 0
+    pending_base: int = 0
+    produced: int = 0
+    durable: int = 0
+    dropped: int = 0
+    pending: torch.Tensor | None = None  # None when pending_count is 0
+    flight: SavedFlight | None = None
+    residual: torch.Tensor | None = None  # the error-feedback residual (compression)
+    held: tuple[SavedHeld, ...] = ()
+    mass: tuple[torch.Tensor, torch.Tensor] | None = None  # (produced, dropped) float64: audit only
+
+
 def _free(release: Any) -> bool:
     return release is None or getattr(release, "done", True)
 
@@ -375,6 +413,89 @@ class GradientCache:
         # still be queued); otherwise drop it and let the next take() allocate.
         if unit.spare is None and _free(release):
             unit.spare = buffer  # not zeroed: the next first add overwrites it
+
+    # ---------------------------------------------------------------- snapshots
+    def snapshot(self) -> list[UnitSnapshot]:
+        """Every unit's state worth saving, consistent under the lock; from the I/O thread.
+
+        The pending sum and the produced mass are copied (training adds into them); the flight,
+        held sums and residual are shared, since only the I/O thread changes them.  Each pending
+        sum is marked as saved: a flight taken from it waits for the next save (SAVE_FIRST).
+        """
+        out = []
+        with self.lock:
+            for unit in self.units:
+                self.settle(unit)
+                unit.saved_pending = unit.pending_count > 0
+                flight = unit.flight
+                mass = None
+                if unit.produced_mass is not None and unit.dropped_mass is not None:
+                    mass = (unit.produced_mass.clone(), unit.dropped_mass)
+                out.append(
+                    UnitSnapshot(
+                        pending_count=unit.pending_count,
+                        pending_base=unit.pending_base,
+                        produced=unit.produced,
+                        durable=unit.durable,
+                        dropped=unit.dropped,
+                        pending=unit.pending.clone() if unit.pending_count else None,
+                        flight=None
+                        if flight is None
+                        else SavedFlight(
+                            flight.seq, flight.count, flight.base_version, flight.buffer, flight.payloads
+                        ),
+                        residual=unit.residual,
+                        held=tuple(
+                            SavedHeld(h.instance, h.epoch, h.count, h.base_version, h.buffer)
+                            for h in unit.held
+                        ),
+                        mass=mass,
+                    )
+                )
+        return out
+
+    def restore(self, units: Sequence[UnitSnapshot], lr: float | None, now: float) -> dict[int, int]:
+        """Put a snapshot (checked by its reader: shapes, counts, finite values) into a cache that
+        nothing has used yet.  Reloaded flights are weak and unsent on any connection: they go
+        again once a gateway answers.  Returns seq -> unit of those flights, oldest first."""
+        if len(units) != len(self.units):
+            raise ValueError(f"a snapshot of {len(units)} units for a cache of {len(self.units)}")
+        flights: dict[int, int] = {}
+        with self.lock:
+            for unit, saved in zip(self.units, units):
+                unit.pending_count, unit.pending_base = saved.pending_count, saved.pending_base
+                if saved.pending is not None:
+                    unit.pending.copy_(saved.pending)
+                unit.saved_pending = saved.pending_count > 0
+                unit.produced, unit.durable, unit.dropped = saved.produced, saved.durable, saved.dropped
+                # Copies: held sums are summed into in place, flights recycled as spares.
+                unit.held = [
+                    Held(h.instance, h.epoch, h.buffer.clone(), h.count, h.base_version) for h in saved.held
+                ]
+                if saved.residual is not None:
+                    # Kept even if this run does not compress: the next push carries it.
+                    unit.residual = saved.residual.clone()
+                if saved.mass is not None and unit.produced_mass is not None:
+                    unit.produced_mass, unit.dropped_mass = (t.clone() for t in saved.mass)
+                f = saved.flight
+                if f is not None:
+                    unit.flight = Flight(
+                        seq=f.seq,
+                        buffer=f.buffer.clone(),
+                        count=f.count,
+                        base_version=f.base_version,
+                        first_sent=now,
+                        deadline=now,
+                        last_sent=-math.inf,
+                        state=FlightState.WEAK,
+                        missed=True,
+                        payloads=f.payloads,
+                        wire_bytes=sum(payload_bytes(p) for p in f.payloads) if f.payloads else 0,
+                    )
+                    flights[f.seq] = unit.index
+            if lr is not None:
+                self.lr = lr
+        return dict(sorted(flights.items()))
 
     # ------------------------------------------------------------------ durability
     def commit(self, instance: str, durable_epoch: int) -> list[int]:

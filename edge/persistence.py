@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,10 +37,9 @@ from typing import Any
 import torch
 
 from elasticfed.common.checkpoint import CheckpointError, CheckpointStore, read_tensors, write_tensors
-from elasticfed.edge.cache import MAX_HELD, Flight, FlightState, GradientCache, Held
+from elasticfed.edge.cache import MAX_HELD, GradientCache, SavedFlight, SavedHeld, UnitSnapshot
 from elasticfed.protocol import LayerGradient, Manifest, ProtocolError, Push, decode, encode, limits_for
 from elasticfed.protocol.messages import MAX_RATE, is_rate
-from elasticfed.protocol.payload import payload_bytes
 
 log = logging.getLogger("elasticfed.edge")
 
@@ -120,56 +118,48 @@ class EdgeState:
 def export_state(
     cache: GradientCache, client_id: str, manifest: Manifest, seq: int
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Tensors and JSON of a device's cache and next seq (its session takes what it can into
-    flights first)."""
+    """Tensors and JSON of a device's cache (its snapshot) and next seq (its session takes what
+    it can into flights first)."""
     tensors: dict[str, torch.Tensor] = {}
     units = []
-    with cache.lock:
-        for unit in cache.units:
-            cache.settle(unit)
-            entry: dict[str, Any] = {
-                "names": list(unit.names),
-                "pending_count": unit.pending_count,
-                "pending_base": unit.pending_base,
-                "produced": unit.produced,
-                "durable": unit.durable,
-                "dropped": unit.dropped,
-                "flight": None,
-                "held": [],
-            }
-            # Recorded as pending: a flight taken from it later waits for the next save.
-            unit.saved_pending = unit.pending_count > 0
-            if unit.pending_count:
-                tensors[f"{unit.index}.pending"] = unit.pending.clone()  # training adds into it
-            flight = unit.flight
-            if flight is not None:
-                # Unchanged while unanswered, and answers are handled on this same thread.
-                entry["flight"] = {"seq": flight.seq, "count": flight.count, "base": flight.base_version}
-                if flight.payloads is None:
-                    tensors[f"{unit.index}.flight"] = flight.buffer
-                else:
-                    frames = _flight_frames(unit.names, flight)
-                    tensors[f"{unit.index}.flight_wire"] = torch.frombuffer(
-                        bytearray(b"".join(frames)), dtype=torch.uint8
-                    )
-                    entry["flight"]["frames"] = [len(f) for f in frames]
-            # Training never writes the residual (the I/O thread rotates it, and saves from there).
-            if unit.residual is not None:
-                tensors[f"{unit.index}.residual"] = unit.residual
-            if unit.produced_mass is not None and unit.dropped_mass is not None:
-                tensors[f"{unit.index}.produced_mass"] = unit.produced_mass.clone()
-                tensors[f"{unit.index}.dropped_mass"] = unit.dropped_mass
-            for j, held in enumerate(unit.held):
-                tensors[f"{unit.index}.held.{j}"] = held.buffer
-                entry["held"].append(
-                    {
-                        "instance": held.instance,
-                        "epoch": held.epoch,
-                        "count": held.count,
-                        "base": held.base_version,
-                    }
-                )
-            units.append(entry)
+    for unit, saved in zip(cache.units, cache.snapshot()):
+        u = unit.index
+        entry: dict[str, Any] = {
+            "names": list(unit.names),
+            "pending_count": saved.pending_count,
+            "pending_base": saved.pending_base,
+            "produced": saved.produced,
+            "durable": saved.durable,
+            "dropped": saved.dropped,
+            "flight": None,
+            "held": [],
+        }
+        if saved.pending is not None:
+            tensors[f"{u}.pending"] = saved.pending
+        flight = saved.flight
+        if flight is not None:
+            entry["flight"] = {"seq": flight.seq, "count": flight.count, "base": flight.base_version}
+            if flight.payloads is None:
+                tensors[f"{u}.flight"] = flight.buffer
+            else:
+                frames = _flight_frames(unit.names, flight)
+                tensors[f"{u}.flight_wire"] = torch.frombuffer(bytearray(b"".join(frames)), dtype=torch.uint8)
+                entry["flight"]["frames"] = [len(f) for f in frames]
+        if saved.residual is not None:
+            tensors[f"{u}.residual"] = saved.residual
+        if saved.mass is not None:
+            tensors[f"{u}.produced_mass"], tensors[f"{u}.dropped_mass"] = saved.mass
+        for j, held in enumerate(saved.held):
+            tensors[f"{u}.held.{j}"] = held.buffer
+            entry["held"].append(
+                {
+                    "instance": held.instance,
+                    "epoch": held.epoch,
+                    "count": held.count,
+                    "base": held.base_version,
+                }
+            )
+        units.append(entry)
     meta = {
         "client_id": client_id,
         "manifest": manifest.digest,
@@ -180,7 +170,7 @@ def export_state(
     return tensors, meta
 
 
-def _flight_frames(names: tuple[str, ...], flight: Flight) -> list[bytes]:
+def _flight_frames(names: tuple[str, ...], flight: SavedFlight) -> list[bytes]:
     """A compressed flight's layers as the codec frames them (header, then payload frames)."""
     assert flight.payloads is not None
     layers = tuple(LayerGradient(n, p, flight.count) for n, p in zip(names, flight.payloads))
@@ -248,7 +238,7 @@ def import_state(
     lr = meta.get("lr")  # absent in files saved before sums had a rate unit
     if lr is not None and not is_rate(lr):
         raise CheckpointError(f"{path}: lr {lr!r} is not a learning rate in (0, {MAX_RATE:g}]")
-    plans = []
+    snapshots: list[UnitSnapshot] = []
     for unit, entry in zip(cache.units, units):
         where = f"{path}: unit {unit.index}"
         if entry["names"] != list(unit.names):
@@ -262,18 +252,8 @@ def import_state(
                 raise CheckpointError(f"{where}: tensor {name} holds NaN or Inf")
             return t
 
-        plan: dict[str, Any] = {
-            "pending_count": _count(entry["pending_count"], f"{where}: pending_count"),
-            "pending_base": _count(entry["pending_base"], f"{where}: pending_base"),
-            "produced": _count(entry["produced"], f"{where}: produced"),
-            "durable": _count(entry["durable"], f"{where}: durable"),
-            "dropped": _count(entry["dropped"], f"{where}: dropped"),
-            "pending": None,
-            "flight": None,
-            "held": [],
-        }
-        if plan["pending_count"]:
-            plan["pending"] = tensor("pending")
+        pending_count = _count(entry["pending_count"], f"{where}: pending_count")
+        flight = None
         if entry["flight"] is not None:
             f = entry["flight"]
             fseq = _count(f["seq"], f"{where}: flight seq")
@@ -285,73 +265,51 @@ def import_state(
                 payloads, buffer = _load_flight_payloads(manifest, unit, wire, f["frames"], where)
             else:
                 payloads, buffer = None, tensor("flight")
-            plan["flight"] = (fseq, buffer, f["count"], base, payloads)
-        plan["residual"] = tensor("residual") if f"{unit.index}.residual" in tensors else None
-        plan["mass"] = None
-        if unit.produced_mass is not None:
+            flight = SavedFlight(fseq, f["count"], base, buffer, payloads)
+        mass = None
+        if cache.audit:
             masses = [tensors.get(f"{unit.index}.{name}") for name in ("produced_mass", "dropped_mass")]
             if any(t is None or t.dtype != torch.float64 or t.shape != (unit.numel,) for t in masses):
                 raise CheckpointError(f"{where}: saved without the mass audit this agent keeps")
-            plan["mass"] = masses
+            mass = (masses[0], masses[1])
         if type(entry["held"]) is not list or len(entry["held"]) > MAX_HELD:
             raise CheckpointError(f"{where}: more than {MAX_HELD} held sums")
+        held = []
         for j, h in enumerate(entry["held"]):
             if type(h["instance"]) is not str or not h["instance"]:
                 raise CheckpointError(f"{where}: held sum {j} names no gateway instance")
-            plan["held"].append(
-                Held(
+            held.append(
+                SavedHeld(
                     h["instance"],
                     _count(h["epoch"], f"{where}: held epoch"),
-                    tensor(f"held.{j}"),
                     _count(h["count"], f"{where}: held count"),
                     _count(h["base"], f"{where}: held base"),
+                    tensor(f"held.{j}"),
                 )
             )
-        plans.append(plan)
-    flight_seqs = [p["flight"][0] for p in plans if p["flight"] is not None]
+        snapshots.append(
+            UnitSnapshot(
+                pending_count=pending_count,
+                pending_base=_count(entry["pending_base"], f"{where}: pending_base"),
+                produced=_count(entry["produced"], f"{where}: produced"),
+                durable=_count(entry["durable"], f"{where}: durable"),
+                dropped=_count(entry["dropped"], f"{where}: dropped"),
+                pending=tensor("pending") if pending_count else None,
+                flight=flight,
+                residual=tensor("residual") if f"{unit.index}.residual" in tensors else None,
+                held=tuple(held),
+                mass=mass,
+            )
+        )
+    flight_seqs = [s.flight.seq for s in snapshots if s.flight is not None]
     if len(set(flight_seqs)) != len(flight_seqs):
         raise CheckpointError(f"{path}: two units share a seq")
 
     # Everything checked: apply.
-    flights: dict[int, int] = {}
-    with cache.lock:
-        for unit, plan in zip(cache.units, plans):
-            unit.pending_count = plan["pending_count"]
-            unit.pending_base = plan["pending_base"]
-            if plan["pending"] is not None:
-                unit.pending.copy_(plan["pending"])
-            unit.saved_pending = plan["pending_count"] > 0
-            unit.produced, unit.durable, unit.dropped = plan["produced"], plan["durable"], plan["dropped"]
-            unit.held = plan["held"]
-            for held in unit.held:
-                held.buffer = held.buffer.clone()  # summed into in place later
-            if plan["residual"] is not None:
-                # Kept even if this run does not compress: the next push carries it (edge/cache.py).
-                unit.residual = plan["residual"].clone()
-            if plan["mass"] is not None:
-                unit.produced_mass, unit.dropped_mass = (t.clone() for t in plan["mass"])
-            if plan["flight"] is not None:
-                fseq, buffer, count, base, payloads = plan["flight"]
-                # Weak and unsent on this connection: it goes again once a gateway answers.
-                unit.flight = Flight(
-                    seq=fseq,
-                    buffer=buffer.clone(),
-                    count=count,
-                    base_version=base,
-                    first_sent=now,
-                    deadline=now,
-                    last_sent=-math.inf,
-                    state=FlightState.WEAK,
-                    missed=True,
-                    payloads=payloads,
-                    wire_bytes=sum(payload_bytes(p) for p in payloads) if payloads else 0,
-                )
-                flights[fseq] = unit.index
-    if lr is not None:
-        cache.lr = float(lr)
+    flights = cache.restore(snapshots, None if lr is None else float(lr), now)
     # Saved pending sums go out once a gateway welcomes the session, without waiting for new steps.
-    wanted = {unit.index for unit, plan in zip(cache.units, plans) if plan["pending_count"]}
-    return Loaded(path, seq, dict(sorted(flights.items())), wanted)
+    wanted = {u for u, saved in enumerate(snapshots) if saved.pending_count}
+    return Loaded(path, seq, flights, wanted)
 
 
 MASS_KIND = "elasticfed-edge-mass-audit"

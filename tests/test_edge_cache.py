@@ -1,4 +1,4 @@
-"""The edge cache: counts add up, one unanswered send per unit, memory stays at two buffers per unit."""
+"""The edge cache: counts add up, one unanswered send per unit, memory bounded per unit (`bound_bytes`)."""
 
 from __future__ import annotations
 
@@ -87,3 +87,51 @@ def test_gpu_gradients_are_staged_asynchronously_and_sum_like_cpu_ones() -> None
     b, w = cache.units[0].views(flight.buffer)
     torch.testing.assert_close(b, 2 * grads[0].cpu())
     torch.testing.assert_close(w, 2 * grads[1].cpu())
+
+
+def test_a_snapshot_restored_into_a_fresh_cache_is_the_same_state_with_its_flights_weak() -> None:
+    from elasticfed.edge.cache import FlightState
+    from elasticfed.edge.compression import UplinkCompression
+
+    def build() -> GradientCache:
+        return GradientCache(UNITS, compression=UplinkCompression.parse("topk:0.5"), audit=True)
+
+    cache = build()
+    cache.rate_unit(0.1)
+    grads = [torch.arange(4.0), torch.linspace(-1, 1, 12).reshape(4, 3)]
+    cache.add(0, grads, base_version=2)
+    flight = cache.take(0, seq=7, now=0.0, timeout_s=0.5)  # compressed: payloads, a residual
+    assert flight is not None and flight.payloads is not None
+    cache.add(0, grads, base_version=3)  # pending behind the flight
+    cache.add(1, [torch.ones(5)], base_version=2)
+    held = cache.take(1, seq=8, now=0.0, timeout_s=0.5)
+    assert held is not None
+    cache.resolve(1, hold=("gw-a", 4))
+    before = cache.snapshot()
+    assert cache.units[0].saved_pending  # a flight taken from this pending sum waits for a save
+
+    fresh = build()
+    flights = fresh.restore(before, lr=cache.lr, now=5.0)
+    assert flights == {7: 0} and fresh.lr == 0.1
+    after = fresh.snapshot()
+    for a, b in zip(before, after):
+        assert (a.pending_count, a.pending_base, a.produced, a.durable, a.dropped) == (
+            b.pending_count,
+            b.pending_base,
+            b.produced,
+            b.durable,
+            b.dropped,
+        )
+        for x, y in [(a.pending, b.pending), (a.residual, b.residual)]:
+            assert (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+        assert [(h.instance, h.epoch, h.count) for h in a.held] == [
+            (h.instance, h.epoch, h.count) for h in b.held
+        ]
+        assert a.mass is not None and b.mass is not None and all(map(torch.equal, a.mass, b.mass))
+    reloaded = fresh.units[0].flight
+    assert reloaded is not None and reloaded.state is FlightState.WEAK and reloaded.missed
+    assert reloaded.seq == 7 and reloaded.payloads == flight.payloads  # a re-send is the same bytes
+    assert reloaded.buffer is not flight.buffer and torch.equal(reloaded.buffer, flight.buffer)
+    assert fresh.undelivered() == cache.undelivered() and fresh.held_steps() == cache.held_steps() == 1
+    with pytest.raises(ValueError, match="a snapshot of 1 units for a cache of 2"):
+        build().restore(before[:1], lr=None, now=0.0)

@@ -65,7 +65,9 @@ def test_sent_back_unjudged_and_a_replaced_connection_make_weak_flights() -> Non
 def test_a_sum_a_save_recorded_as_pending_waits_for_the_next_save() -> None:
     cache = GradientCache(UNITS)
     flights = Flights(cache)
-    cache.units[0].saved_pending = True  # what a save records (edge/persistence.py)
+    cache.add(0, [torch.ones(4)], base_version=0)
+    (saved, _) = cache.snapshot()  # a save records the pending sum (edge/persistence.py)
+    assert saved.pending_count == 1 and saved.pending is not None and saved.flight is None
     flight = _taken(cache, flights, 0, seq=1)
     assert flight.state is FlightState.SAVE_FIRST
     assert flights.due(0.0, answered_since=10.0, on_timer=True) == []  # never before the save
