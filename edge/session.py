@@ -378,7 +378,11 @@ class EdgeSession:
                 if self.connection.up_events(now):
                     self._say_hello(now)  # the one at connect was likely refused (not connected yet)
                 self._receive(now)
-                self._tick(self.clock())
+                # The same instant: a push that an answer just let go was sent as the link fell
+                # idle, so it joins the uplink's busy run (edge/pacing.py).  With a fresh clock an
+                # edge whose model is one unit (one push in flight at a time) never formed a run,
+                # its uplink was never measured, and `auto` kept int8 on any link.
+                self._tick(now)
         except EdgeRefused as exc:
             self._error = exc
             log.error("%s", exc)

@@ -249,3 +249,27 @@ def test_a_gateway_restart_on_the_same_hub_is_found_and_nothing_is_counted_twice
     produced = agent.status()["produced_steps"]
     # Over the checkpointed history of both instances, per layer: applied once, none twice.
     assert status["history_applied_steps"]["e0"] == produced
+
+
+def test_an_edge_whose_model_is_one_unit_measures_its_uplink_and_auto_stops_compressing() -> None:
+    """One unit means one push in flight at a time: each push leaves as the answer to the one
+    before arrives.  Those pushes are the link's busy run (edge/pacing.py), so the uplink gets
+    measured and `auto` (the default) sends dense on a link this fast.  When the I/O loop stamped
+    those sends a moment after the answers, no run ever formed and `auto` kept int8 forever (the
+    demo pushed a quarter of its bytes, all of them int8)."""
+    hub = MemoryHub()
+    gateway = _memory_gateway(hub, quorum=1)
+    with serving(gateway):
+        torch.manual_seed(0)
+        agent = ElasticEdge(
+            TASK.build_model(),
+            SessionOptions(gateway="memory://hub", client_id="e0", timeout_s=0.5, heartbeat_s=1.0),
+            link=hub.dealer_link(b"e0"),
+        )
+        session = agent.session
+        assert len(session.cache.units) == 1  # the case in question
+        assert session.cache.compression.spec == "auto"  # the default
+        train_digits(agent, 2.0)
+        assert agent.close(drain_s=30.0)
+    assert session.uplink.measured
+    assert session.cache.compression.current.spec == "none"  # type: ignore[union-attr]
