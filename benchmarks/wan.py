@@ -19,8 +19,11 @@ Every contender runs with the defaults a user gets: the gateway is built from
 --mode standalone` calls (build_gateway, GatewayCheckpoints), and the edges
 get only what describes the setup (endpoint, name, task, shard, a state folder,
 CURVE keys made for the run).  The gateway runs in this process so that its
-served model can be copied every `--eval-every-s` seconds; FedAvg's model is
-copied at each round's end.  All copies are evaluated after the run, with the
+model can be copied every `--eval-every-s` seconds: the model the gateway reports as
+its result (the average of its published versions, cloud/ema.py: what `cloud serve`'s
+summary and the demo evaluate, and what a user gets), which every figure uses, and the
+live model it serves edges, reported beside it (`*_live`).  FedAvg's model is copied at
+each round's end.  All copies are evaluated after the run, with the
 task's own `evaluate`, on its held-out set: evaluation takes no CPU from any
 contender's training.  Worker processes get OMP_NUM_THREADS=1 (a small machine
 shared by N + 1 processes), elasticfed's and FedAvg's alike.
@@ -69,6 +72,7 @@ from netns import EdgeNet, Lab, Unavailable, sweep_stale  # noqa: E402  (tests/n
 from elasticfed.cloud.admission import CurveAdmission  # noqa: E402
 from elasticfed.cloud.config import CloudConfig  # noqa: E402
 from elasticfed.cloud.durability import GatewayCheckpoints  # noqa: E402
+from elasticfed.cloud.gateway import Gateway  # noqa: E402
 from elasticfed.cloud.serve import build_gateway, round_logger  # noqa: E402
 from elasticfed.common.checkpoint import CheckpointError  # noqa: E402
 from elasticfed.common.keys import KeyFolder, generate  # noqa: E402
@@ -180,8 +184,10 @@ class Point:
 
     seconds: float
     version: int  # gateway version, or FedAvg round
-    state: State | None
+    state: State | None  # the model a user gets: the gateway's average, FedAvg's global model
+    live: State | None = None  # elasticfed: the live model edges are served (None: the same)
     bpb: float = float("nan")
+    live_bpb: float = float("nan")
 
 
 @dataclass
@@ -197,6 +203,9 @@ class Contender:
     def final(self) -> float:
         return self.points[-1].bpb
 
+    def final_live(self) -> float:
+        return self.points[-1].live_bpb
+
     def time_to(self, target: float, budget_s: float) -> float | None:
         return next((p.seconds for p in self.points if p.bpb <= target and p.seconds <= budget_s + 1), None)
 
@@ -205,18 +214,29 @@ def evaluate(task: Task, contender: Contender, test_set: Any) -> None:
     """Every point's bits per byte (one evaluation per distinct model); the copies are freed."""
     model = task.build_model()
     seen: dict[int, float] = {}
+
+    def figure(state: State) -> float:
+        key = id(state)
+        if key not in seen:
+            model.load_state_dict(state, strict=False)
+            seen[key] = float(task.evaluate(model, test_set))
+        return seen[key]
+
     for p in contender.points:
         assert p.state is not None
-        key = id(p.state)
-        if key not in seen:
-            model.load_state_dict(p.state, strict=False)
-            seen[key] = float(task.evaluate(model, test_set))
-        p.bpb = seen[key]
+        p.bpb = figure(p.state)
+        p.live_bpb = p.bpb if p.live is None else figure(p.live)
     for p in contender.points:
-        p.state = None
+        p.state = p.live = None
 
 
 # ------------------------------------------------------------------------------ elasticfed
+def _point(gateway: Gateway, seconds: float) -> Point:
+    """The gateway's reported model (its average) and its live one, as of now."""
+    live = gateway.snapshot()
+    return Point(seconds, gateway.served_version, gateway.averaged(), live)
+
+
 def make_keys(folder: Path, edges: int) -> tuple[CurveAdmission, list[list[str]]]:
     """A gateway key folder with every edge enrolled, and each edge's key flags: CURVE, as deployed."""
     gateway_keys = KeyFolder(folder / "gateway")
@@ -310,7 +330,7 @@ def run_elasticfed(
             ]  # fmt: skip
             workers.append(Worker(f"edge-{i}", net.argv(argv), work / f"edge-{i}.log"))
         t0 = wait_started(workers, STARTUP_LIMIT_S)
-        result.points.append(Point(0.0, gateway.served_version, gateway.snapshot()))
+        result.points.append(_point(gateway, 0.0))
         next_eval = eval_every_s
         distance = 0.0  # the most x_public trailed x_global, relatively (downlink patches)
         while True:
@@ -318,12 +338,12 @@ def run_elasticfed(
             if now >= budget_s or all(w.proc.poll() is not None for w in workers):
                 break
             if now >= next_eval:
-                result.points.append(Point(now, gateway.served_version, gateway.snapshot()))
+                result.points.append(_point(gateway, now))
                 next_eval += eval_every_s
             if gateway.public is not None:
                 distance = max(distance, gateway.public.distance)
             time.sleep(0.05)
-        result.points.append(Point(time.monotonic() - t0, gateway.served_version, gateway.snapshot()))
+        result.points.append(_point(gateway, time.monotonic() - t0))
         stopped_at = time.monotonic()
         for w in workers:
             w.stop()
@@ -717,10 +737,13 @@ def main(argv: list[str] | None = None) -> int:
     csv_path = out_dir / "wan.csv"
     with open(csv_path, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["contender", "link", "seconds", "version_or_round", "bits_per_byte"])
+        header = ["contender", "link", "seconds", "version_or_round", "bits_per_byte", "live_bits_per_byte"]
+        writer.writerow(header)
         for run in runs:
             for p in run.points:
-                writer.writerow([run.name, run.link, f"{p.seconds:.2f}", p.version, f"{p.bpb:.4f}"])
+                writer.writerow(
+                    [run.name, run.link, f"{p.seconds:.2f}", p.version, f"{p.bpb:.4f}", f"{p.live_bpb:.4f}"]
+                )
     title = (
         f"{task.name}, {edges} edges, IID, {budget:.0f} s each; FedAvg {args.fedavg_local_steps} local "
         f"steps/round\ncapped: tbf {args.rate} each way, {args.loss}% packet loss each way (nftables)"
@@ -758,6 +781,9 @@ def main(argv: list[str] | None = None) -> int:
         "target_bpb_dense": round(target_dense, 4),
         "uncapped_dense_final_bpb": round(uncapped_dense.final(), 4),
         "capped_dense_final_bpb": round(capped_dense.final(), 4),
+        # The figures above are of the model a user gets (the gateway's average); the live
+        # model edges train from, at the same points:
+        "live_final_bpb": {r.name: round(r.final_live(), 4) for r in runs if r.name.startswith("elasticfed")},
         "uplink_bytes_ratio": uplink_ratio(capped),
         "downlink_bytes_ratio": downlink_ratio(capped, edges),
         "capped_dense_downlink_bytes_ratio": downlink_ratio(capped_dense, edges),

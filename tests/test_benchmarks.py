@@ -216,6 +216,14 @@ def test_wan_benchmark_quick_reports_consistent_figures(tmp_path: Path) -> None:
         assert float(points[0]["bits_per_byte"]) == pytest.approx(figures["initial_bpb"], abs=1e-3), name
         if figures[finals[name]] is not None:  # the CSV's last point is the JSON's final figure
             assert float(points[-1]["bits_per_byte"]) == pytest.approx(figures[finals[name]], abs=1e-3)
+        # The live model (what edges are served) beside the reported one (the gateway's average);
+        # both start from the seed model, and FedAvg has only its global model.
+        assert float(points[0]["live_bits_per_byte"]) == pytest.approx(figures["initial_bpb"], abs=1e-3)
+        if name.startswith("elasticfed"):
+            live = figures["live_final_bpb"][name]
+            assert live is None or float(points[-1]["live_bits_per_byte"]) == pytest.approx(live, abs=1e-3)
+        else:
+            assert [p["live_bits_per_byte"] for p in points] == [p["bits_per_byte"] for p in points]
     if ours is not None:  # the time to target is the first capped point at or under it
         capped = by_run["elasticfed capped"]
         first = next(p for p in capped if float(p["bits_per_byte"]) <= figures["target_bpb"])
