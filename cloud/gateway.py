@@ -855,18 +855,18 @@ class Gateway:
             else:
                 self._served.move_to_end(served.version)  # recently fetched: kept longest
             patch = None
-            if msg.base and self.public is not None:
+            if msg.base_digest and self.public is not None:
                 # The patch from what the edge holds, to the version asked for, else the newest.
-                patch = self.public.patch(msg.base, served.version) or self.public.patch(
-                    msg.base, newest.version
+                patch = self.public.patch(msg.base, msg.base_digest, served.version) or self.public.patch(
+                    msg.base, msg.base_digest, newest.version
                 )
             mass = (served if patch is None or patch.version == served.version else newest).mass
         if patch is not None:
             version, data_blob, digest, base = patch.version, patch.data, patch.digest, patch.base
-            model_digest = patch.model_digest
+            model_digest, base_digest = patch.model_digest, patch.base_digest
         else:
             version, data_blob, digest, base = served.version, served.blob, served.digest, 0
-            model_digest = served.digest
+            model_digest, base_digest = served.digest, 0
         state.fetching, state.fetched_at = version, now
         if msg.fetch_ms:
             state.fetch_s = msg.fetch_ms / 1000.0  # the round policy caps what it trusts
@@ -874,7 +874,7 @@ class Gateway:
         start = min(msg.offset, size)
         end = min(size, start + min(msg.length, self.options.max_chunk_bytes))
         data = memoryview(data_blob.numpy()[start:end])
-        self.metrics.model_served_bytes.inc("patch" if base else "snapshot", by=len(data))
+        self.metrics.model_served_bytes.inc("patch" if base_digest else "snapshot", by=len(data))
         self._reply(
             route,
             ModelChunk(
@@ -886,6 +886,7 @@ class Gateway:
                 base=base,
                 model_digest=model_digest,
                 mass=mass,
+                base_digest=base_digest,
             ),
         )
 

@@ -8,12 +8,17 @@ not sent stays as the difference `x_global - x_public` and is the first to go
 once it is large (error feedback, on the model instead of the gradient), so the
 distance between the two stays bounded (`distance`, reported as a metric).
 
-An edge that holds version `b` asks for the patch from `b`: the new values of
-every entry changed since, which it *sets* (not adds: the result is the
+An edge that holds version `b` asks for the patch from `b`, naming its digest:
+the new values of every entry changed since, which it *sets* (not adds: the result is the
 gateway's `x_public` bit for bit, whatever the edge's floating-point hardware),
 and checks the whole model's digest.  The last `history` versions' changes are
 kept; an edge further behind gets a snapshot.  Patches are built once per
 (base, version) and kept for the edges that ask for the same one.
+
+The first version is the gateway's starting model, whole.  An edge that built
+the same seed model holds it already (same digest): its first model comes as a
+patch from version 0, not as a download of the whole model (at 2 Mbit/s, 37 s
+of the base model, measured).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ class Patch:
     """A framed `ModelPatch` blob from `base` to `version`, its digest, and the model it makes."""
 
     base: int
+    base_digest: int
     version: int
     data: torch.Tensor
     digest: int
@@ -121,9 +127,12 @@ class PublicModel:
                 self._oldest_base, _ = self._changes.popitem(last=False)  # its changes are gone
         return self.blob
 
-    def patch(self, base: int, version: int) -> Patch | None:
-        """The patch from `base` to `version`, if `version` is the newest (or built before) and the
-        changes since `base` are all known; None: the edge needs a snapshot."""
+    def patch(self, base: int, base_digest: int, version: int) -> Patch | None:
+        """The patch from `base` to `version`, if the edge's base is this model's `base` (its
+        digest), `version` is the newest (or built before) and the changes since `base` are all
+        known; None: the edge needs a snapshot."""
+        if not base_digest or self.digests.get(base) != base_digest:
+            return None  # another instance's model, or another seed's, or forgotten
         if (base, version) in self._patches:
             self._patches.move_to_end((base, version))
             return self._patches[(base, version)]
@@ -141,7 +150,7 @@ class PublicModel:
         # Over many versions a patch can outgrow the model (6 bytes an entry against 4): then the
         # edge is better served whole.
         built = (
-            Patch(base, version, data, blob.digest(data), self.digest)
+            Patch(base, base_digest, version, data, blob.digest(data), self.digest)
             if data.numel() < self.blob.numel()
             else None
         )

@@ -38,7 +38,7 @@ from elasticfed.edge.config import DRIFT_HORIZON
 from elasticfed.edge.direction import Direction, RawGradient, SgdDirection
 from elasticfed.edge.drift import ControlVariates, Horizon, Proximal
 from elasticfed.edge.session import EdgeSession, SessionOptions
-from elasticfed.protocol import Manifest
+from elasticfed.protocol import Manifest, blob
 from elasticfed.protocol.messages import MAX_RATE, is_rate
 
 _RAW = RawGradient()
@@ -104,6 +104,12 @@ class ElasticEdge(nn.Module):
         self.lr = lr  # the local rate, where no followed optimizer says it
         self._followed: SgdDirection | None = None  # the optimizer whose steps (and rates) we know
         self.session = EdgeSession(options, self.manifest, self.cache, model_version, link=link)
+        # The model as built: the gateway's first version where both used the same seed, so the
+        # first model comes down as a patch from it (edge/download.py), not whole.
+        self.session.download.hold(
+            model_version,
+            blob.pack(self.manifest, {n: p.detach().to("cpu") for n, p in module.named_parameters()}),
+        )
         self.hooks = GradientHooks(named, self, plan)
         if start:
             self.session.start()

@@ -12,10 +12,12 @@ is gone it answers with the newest, and only then does a download start over.
 The finished blob is checked against the digest the gateway stated, then its
 values for NaN/Inf, before the training thread may adopt it.
 
-Once it holds a model, the edge asks with that version as `base`, and the gateway
-answers, where it can, with a patch instead of the whole model
+Once it holds a model, the edge asks with that version as `base` and its digest,
+and the gateway answers, where it can, with a patch instead of the whole model
 (cloud/publication.py): the new values of the entries changed since, a few
-percent of the model.  The edge sets them in a copy of the model it holds and
+percent of the model.  Before any download the edge holds the model it built
+(`hold`): the same seed model as the gateway's is its first version, patched
+like any other.  The edge sets them in a copy of the model it holds and
 checks the result against the digest of the gateway's whole model: bit for bit
 the same, or it fetches a snapshot.
 
@@ -77,7 +79,8 @@ class ModelDownload:
         self.stats = DownloadStats()
         self.version = 0  # the version being assembled (0: none yet; the gateway says which)
         self.digest = 0
-        self.base = 0  # a patch from this version is being assembled (0: a whole model)
+        self.base = 0  # a patch from this version is being assembled (with base_digest)
+        self.base_digest = 0  # the digest of `base` (0: a whole model is being assembled)
         self.model_digest = 0  # the whole model's digest (for a patch: of the model it makes)
         self.mass = 0.0  # the step mass of the version being assembled (ModelChunk.mass)
         self._sized = True  # the size is known (a patch's, only once its first chunk came)
@@ -85,6 +88,7 @@ class ModelDownload:
         # base of the next patch.  Never modified (a patch is applied to a copy).
         self.public: torch.Tensor | None = None
         self.public_version = 0
+        self.public_digest = 0
         self._buffer: torch.Tensor | None = None
         self._have = bytearray(self.chunks)  # 1: chunk i is in the buffer
         self._missing = self.chunks
@@ -113,13 +117,28 @@ class ModelDownload:
     def start(self, version: int, whole: bool = False) -> None:
         """Begin fetching `version` (0: whichever the gateway serves newest), dropping any other;
         as a patch from the model held, unless `whole`."""
-        base = self.public_version if self.public is not None and not whole else 0
-        self._reset(version, 0, base=base)
+        if self.public is not None and not whole:
+            self._reset(version, 0, base=self.public_version, base_digest=self.public_digest)
+        else:
+            self._reset(version, 0)
         self._began = None  # a new download (restarts of one keep its start: see on_chunk)
 
     def held(self) -> tuple[int, int] | None:
         """(version, digest) of the model last assembled: the gateway's public model of that version."""
-        return None if self.public is None else (self.public_version, blob.digest(self.public))
+        return None if self.public is None else (self.public_version, self.public_digest)
+
+    def hold(self, version: int, model: torch.Tensor) -> None:
+        """The edge holds `model` (a blob in manifest layout) as `version` before any download: the
+        seed model it built, which is the gateway's first version where both used the same seed.
+        The base of its first patch; the gateway checks the digest, and a model that is not its
+        own gets a whole model, as without it."""
+        if model.dtype != torch.uint8 or model.numel() != self.manifest.blob_bytes:
+            raise ValueError(
+                f"a held model is a {self.manifest.blob_bytes}-byte blob of this manifest, got "
+                f"{model.numel()} {model.dtype} entries"
+            )
+        if self.public is None:
+            self.public, self.public_version, self.public_digest = model, version, blob.digest(model)
 
     def forget_public(self) -> None:
         """A new gateway instance has its own public model: what this edge holds is no base for it.
@@ -128,9 +147,9 @@ class ModelDownload:
         version.  Left a patch, every chunk of it was refused (its base no longer held) and asked
         again, forever: found in CI, an edge stuck 240 s after a gateway restart.
         """
-        self.public, self.public_version = None, 0
-        if self.active and self.base:
-            self._reset(self.version, 0, base=0)
+        self.public, self.public_version, self.public_digest = None, 0, 0
+        if self.active and self.base_digest:
+            self._reset(self.version, 0)
 
     def connection_lost(self) -> None:
         """Requests sent on a replaced connection are not answered there: ask again on the next."""
@@ -148,7 +167,7 @@ class ModelDownload:
     # ------------------------------------------------------------- requests
     def requests(self, budget_bytes: int, now: float, reask_after_s: float) -> list[tuple[int, int, int]]:
         """(version, offset, length) to ask for now, within `budget_bytes` outstanding (of the
-        patch from `base`, where that is not 0).
+        patch from `base`, where there is a `base_digest`).
 
         A request older than `reask_after_s` is asked again (a link that loses messages
         on a live connection); over TCP the session passes infinity and relies on reconnects.
@@ -184,11 +203,14 @@ class ModelDownload:
     def on_chunk(self, msg: ModelChunk, now: float) -> tuple[Model | None, float | None]:
         """Keep a chunk; (the finished model or None, when the chunk was asked for or None)."""
         whole = self.manifest.blob_bytes
-        if msg.base and msg.version <= self.public_version:
+        if msg.base_digest and msg.version <= self.public_version:
             return None, None  # a late or duplicated answer about a patch already applied
-        if (msg.base == 0 and msg.size != whole) or (
-            msg.base
-            and (msg.base != self.public_version or not 0 < msg.size <= self.limits.max_message_bytes)
+        if (not msg.base_digest and (msg.base or msg.size != whole)) or (
+            msg.base_digest
+            and (
+                (msg.base, msg.base_digest) != (self.public_version, self.public_digest)
+                or not 0 < msg.size <= self.limits.max_message_bytes
+            )
         ):
             log.warning(
                 "model chunk of version %d (base %d) of %d bytes does not fit this edge's model "
@@ -202,7 +224,7 @@ class ModelDownload:
             return None, None
         if not self.active:
             return None, None  # nothing asked (a late answer after a finished download)
-        same = msg.version == self.version and msg.base == self.base and self._sized
+        same = msg.version == self.version and msg.base_digest == self.base_digest and self._sized
         if same and not self.digest:
             self.digest, self.model_digest = msg.digest, msg.model_digest  # the first chunk asked for
         elif not same or msg.digest != self.digest:
@@ -213,7 +235,7 @@ class ModelDownload:
                 log.info(
                     "gateway no longer serves model %d: downloading %d instead", self.version, msg.version
                 )
-            self._reset(msg.version, msg.digest, base=msg.base, size=msg.size, keep_asked=True)
+            self._reset(msg.version, msg.digest, msg.base, msg.base_digest, size=msg.size, keep_asked=True)
             self.model_digest = msg.model_digest
         i, rem = divmod(msg.offset, self.chunk_bytes)
         if rem or i >= self.chunks or len(msg.data) != self._chunk_len(i):
@@ -246,16 +268,16 @@ class ModelDownload:
         if blob.digest(data) != digest:
             self.stats.corrupt += 1
             log.warning("model %d failed its digest once assembled: downloading it again", version)
-            self._reset(version, digest, base=self.base, size=self.size)
+            self._reset(version, digest, self.base, self.base_digest, size=self.size)
             return None
-        if self.base:
+        if self.base_digest:
             patched = self._apply_patch(data)
             if patched is None:
                 self.stats.patch_failures += 1
-                self._reset(version, 0, base=0)  # a snapshot of whichever version is newest
+                self._reset(version, 0)  # a snapshot of whichever version is newest
                 self.version = 0
                 return None
-            data = patched
+            data, digest = patched, self.model_digest
             self.stats.patches += 1
         else:
             self.stats.snapshots += 1
@@ -267,7 +289,7 @@ class ModelDownload:
             self._buffer = None
             return None
         self._buffer = None  # the model owns it now; the next download gets a new one
-        self.public, self.public_version = data, version
+        self.public, self.public_version, self.public_digest = data, version, digest
         if self._began is not None:
             self.last_fetch_s = max(0.0, now - self._began)
             self._began = None
@@ -311,14 +333,21 @@ class ModelDownload:
         return out
 
     def _reset(
-        self, version: int, digest: int, base: int = 0, size: int = 0, keep_asked: bool = False
+        self,
+        version: int,
+        digest: int,
+        base: int = 0,
+        base_digest: int = 0,
+        size: int = 0,
+        keep_asked: bool = False,
     ) -> None:
+        """Assemble `version` from scratch: the whole model, or with `base_digest` the patch from `base`."""
         self.version = version
         self.digest = digest
-        self.base = base
+        self.base, self.base_digest = (base, base_digest) if base_digest else (0, 0)
         # A patch's size is known once its first chunk came: until then, one chunk is asked for.
-        self._sized = not base or bool(size)
-        self.size = size or (self.manifest.blob_bytes if not base else self.chunk_bytes)
+        self._sized = not base_digest or bool(size)
+        self.size = size or (self.manifest.blob_bytes if not base_digest else self.chunk_bytes)
         self.chunks = max(1, math.ceil(self.size / self.chunk_bytes))
         self._buffer = torch.empty(self.size, dtype=torch.uint8)
         self._have = bytearray(self.chunks)

@@ -719,8 +719,9 @@ class EdgeSession:
             log.info("gateway %s is a new instance: re-sending every unanswered push", msg.gateway_id)
             self._covers(now)  # it holds nothing we sent its predecessor
             self._connection_replaced()
-        if new_instance:
-            # Its public model is its own: what this edge holds is no base for its patches.
+        if restarted:
+            # Its public model is its own: what this edge holds is no base for its patches.  (The
+            # first instance's may be: the seed model the edge built is its first version.)
             self.download.forget_public()
         if new_instance and msg.model_version != self.have_version:
             # A restarted gateway may be behind us: its model is the one that counts.
@@ -903,12 +904,20 @@ class EdgeSession:
                 # probe, asked again on the push timer, doubling each time up to the guess's.
                 budget = self.download.chunk_bytes
                 reask = min(reask, self.resend_s * 2.0 ** min(self.download.stats.reasks, 20))
-        base = self.download.base  # a patch from the model held, or 0: the whole model
+        # A patch from the model held (its version and digest), or the whole model (digest 0).
+        base, base_digest = self.download.base, self.download.base_digest
         took = self.download.last_fetch_s
         fetch_ms = 0 if took is None else max(1, round(took * 1000))
         requests = self.download.requests(budget, now, reask)
         for k, (version, offset, length) in enumerate(requests):
-            fetch = ModelFetch(version=version, offset=offset, length=length, base=base, fetch_ms=fetch_ms)
+            fetch = ModelFetch(
+                version=version,
+                offset=offset,
+                length=length,
+                base=base,
+                fetch_ms=fetch_ms,
+                base_digest=base_digest,
+            )
             if self._send(encode(fetch), now) is None:
                 # Refused at once (a replaced connection not up yet, with ZMQ_IMMEDIATE): over TCP
                 # nothing would ask again, and the download would wait for them forever.

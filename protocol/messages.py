@@ -373,9 +373,13 @@ class ModelFetch(Message):
     The blob is every parameter in manifest order (`Manifest.blob_layout`).  Large models
     come down as many small answers the edge asks for a few at a time, so nothing else it
     waits for (an ack, a heartbeat reply) queues behind megabytes, and a download that a
-    reconnect interrupts goes on from the chunks it already holds.  With `base`, the edge
-    holds that version bit for bit and asks for the patch from it (a `ModelPatch` blob)
-    instead, if the gateway has one.  `fetch_ms` is how long the edge's last finished download
+    reconnect interrupts goes on from the chunks it already holds.  With `base_digest`, the
+    edge holds version `base` bit for bit, that being its digest, and asks for the patch from
+    it (a `ModelPatch` blob) instead, if the gateway has one; version 0 included: an edge that
+    built the same seed model as the gateway holds its first version without a download.  The
+    gateway patches only from a base whose digest it published as that version, so a base
+    held from another gateway instance (or built from another seed) gets a whole model.
+    `fetch_ms` is how long the edge's last finished download
     took, first request to model assembled (0: none yet): the gateway mints versions no faster
     than its edges can fetch them (cloud/aggregation.py, DeadlineQuorum).
     """
@@ -386,6 +390,7 @@ class ModelFetch(Message):
     length: int = wire(UINT)
     base: int = wire(UINT, default=0)
     fetch_ms: int = wire(UINT, default=0)
+    base_digest: int = wire(UINT64, default=0)  # 0: the edge holds no base (a whole model)
 
 
 @dataclass(frozen=True)
@@ -393,8 +398,9 @@ class ModelChunk(Message):
     """Gateway -> edge: a slice of model `version`'s blob of `size` bytes whose xxh3-64 is `digest`.
 
     `version` may differ from the one asked for: the gateway no longer serves that one, and
-    the edge starts over on this one.  With `base`, the blob is the patch from `base` to
-    `version`, and `model_digest` the digest of the whole model it makes.
+    the edge starts over on this one.  With `base_digest`, the blob is the patch from `base`
+    (the model of that digest) to `version`, and `model_digest` the digest of the whole model
+    it makes; without, the blob is the whole model and `base` is 0.
 
     `mass` is the version's step mass: the learning-rate-weighted step-gradients the gateway's
     updates applied up to it (per round, the sum of lr x staleness weight x steps over the
@@ -413,6 +419,7 @@ class ModelChunk(Message):
     base: int = wire(UINT, default=0)
     model_digest: int = wire(UINT64, default=0)
     mass: float = wire(MASS, default=0.0)
+    base_digest: int = wire(UINT64, default=0)  # 0: a whole model, not a patch
 
 
 @dataclass(frozen=True)

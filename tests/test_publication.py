@@ -59,12 +59,12 @@ class Server:
                 p.add_(torch.randn(p.shape, generator=gen) * scale)
         self.publish()
 
-    def answer(self, version: int, offset: int, length: int, base: int) -> ModelChunk:
-        patch = self.public.patch(base, self.version) if base else None
+    def answer(self, version: int, offset: int, length: int, base: int, base_digest: int) -> ModelChunk:
+        patch = self.public.patch(base, base_digest, self.version)
         if patch is not None:
             data, digest, kind = patch.data, patch.digest, "patch"
         else:
-            data, digest, kind, base = self.served, self.public.digest, "snapshot", 0
+            data, digest, kind, base, base_digest = self.served, self.public.digest, "snapshot", 0, 0
         end = min(len(data), offset + length)
         self.sent[kind] += end - offset
         chunk = ModelChunk(
@@ -75,6 +75,7 @@ class Server:
             data=data.numpy()[offset:end].data,
             base=base,
             model_digest=self.public.digest,
+            base_digest=base_digest,
         )
         msg = decode([bytes(f) for f in encode(chunk)])
         assert isinstance(msg, ModelChunk)
@@ -88,7 +89,9 @@ def fetch(server: Server, download: ModelDownload, whole: bool = False) -> None:
         download.start(server.version, whole=whole)
     for _ in range(1000):
         for version, offset, length in download.requests(8 * CHUNK, 0.0, math.inf):
-            model, _ = download.on_chunk(server.answer(version, offset, length, download.base), 0.0)
+            model, _ = download.on_chunk(
+                server.answer(version, offset, length, download.base, download.base_digest), 0.0
+            )
             if model is not None:
                 assert model.version == server.version
                 return
@@ -138,7 +141,7 @@ def test_an_edge_behind_the_history_or_a_patch_larger_than_the_model_gets_a_snap
     gen = torch.Generator().manual_seed(3)
     for _ in range(5):  # five versions on: the changes since the edge's are no longer all known
         server.step(gen)
-    assert server.public.patch(download.public_version, server.version) is None
+    assert server.public.patch(download.public_version, download.public_digest, server.version) is None
     fetch(server, download)
     assert download.stats.snapshots == 2 and torch.equal(download.public, server.served)
 
@@ -146,9 +149,11 @@ def test_an_edge_behind_the_history_or_a_patch_larger_than_the_model_gets_a_snap
     download = ModelDownload(wide.manifest, CHUNK)
     fetch(wide, download)
     wide.step(gen)
-    assert wide.public.patch(download.public_version, wide.version) is not None  # 50%: 3 of 4 bytes
+    assert (
+        wide.public.patch(download.public_version, download.public_digest, wide.version) is not None
+    )  # 50%: 3 of 4 bytes
     wide.step(gen)
-    assert wide.public.patch(download.public_version, wide.version) is None
+    assert wide.public.patch(download.public_version, download.public_digest, wide.version) is None
     fetch(wide, download)
     assert download.stats.snapshots == 2 and torch.equal(download.public, wide.served)
 
@@ -164,6 +169,7 @@ def hostile(server: Server, download: ModelDownload, patch_blob: torch.Tensor) -
             data=patch_blob.numpy()[offset : offset + CHUNK].data,
             base=download.public_version,
             model_digest=server.public.digest,
+            base_digest=download.public_digest,
         )
         for offset in range(0, len(patch_blob), CHUNK)
     ]
@@ -178,7 +184,7 @@ def test_a_patch_that_does_not_make_the_gateways_model_is_refused_and_the_model_
     fetch(server, download)
     held = download.public.clone()
     server.step(torch.Generator().manual_seed(4))
-    patch = server.public.patch(download.public_version, server.version)
+    patch = server.public.patch(download.public_version, download.public_digest, server.version)
     assert patch is not None
     msg = ModelPatch(base=download.public_version, version=server.version, layers=())
     frames = blob.unframe(patch.data, 64)
@@ -209,7 +215,7 @@ def test_a_patch_that_does_not_make_the_gateways_model_is_refused_and_the_model_
         assert model is None
     assert download.stats.patch_failures == 1
     assert torch.equal(download.public, held)  # what the edge held is untouched
-    assert download.base == 0  # the next request is for the model whole
+    assert download.base_digest == 0  # the next request is for the model whole
     fetch(server, download)
     assert download.stats.snapshots == 2 and torch.equal(download.public, server.served)
 
@@ -220,11 +226,56 @@ def test_a_chunk_of_a_patch_from_another_base_is_ignored() -> None:
     fetch(server, download)
     server.step(torch.Generator().manual_seed(5))
     download.start(server.version)
-    patch = server.public.patch(download.public_version, server.version)
+    patch = server.public.patch(download.public_version, download.public_digest, server.version)
     assert patch is not None
-    stray = replace(hostile(server, download, patch.data)[0], base=download.public_version + 7)
-    assert download.on_chunk(stray, 0.0) == (None, None)
+    chunk = hostile(server, download, patch.data)[0]
+    for stray in (
+        replace(chunk, base=download.public_version + 7),
+        replace(chunk, base_digest=download.public_digest ^ 1),  # the same version of another model
+        replace(chunk, base_digest=0),  # a whole model's chunk, of a patch's size
+    ):
+        assert download.on_chunk(stray, 0.0) == (None, None)
     assert download.active and download.stats.patch_failures == 0
+
+
+def test_an_edge_that_built_the_seed_model_gets_its_first_model_as_a_patch() -> None:
+    server = Server(make_model(), ratio=0.05)
+    seed = server.served  # version 1: the model as built, whole
+    same, other = ModelDownload(server.manifest, CHUNK), ModelDownload(server.manifest, CHUNK)
+    same.hold(server.version, seed.clone())
+    torch.manual_seed(9)  # a model of the same shapes from another seed: not the gateway's
+    other.hold(
+        server.version,
+        blob.pack(
+            server.manifest,
+            dict(nn.Sequential(nn.Linear(40, 30), nn.Linear(30, 7), nn.Linear(1, 70_001)).named_parameters()),
+        ),
+    )
+    gen = torch.Generator().manual_seed(6)
+    for _ in range(3):
+        server.step(gen)
+    fetch(server, same)
+    assert same.stats.snapshots == 0 and same.stats.patches == 1
+    assert (
+        server.sent["snapshot"] == 0 and 0 < server.sent["patch"] < 0.25 * server.manifest.blob_bytes
+    )  # 3 x 5% at 6 bytes
+    assert torch.equal(same.public, server.served) and same.held() == (server.version, server.public.digest)
+    # The other seed's digest is not the gateway's version 1: it is answered whole, and follows on.
+    fetch(server, other)
+    assert other.stats.snapshots == 1 and other.stats.patch_failures == 0
+    assert torch.equal(other.public, server.served)
+    server.step(gen)
+    fetch(server, other)
+    assert other.stats.patches == 1 and torch.equal(other.public, server.served)
+
+
+def test_a_held_model_must_be_a_blob_of_the_manifest() -> None:
+    server = Server(make_model(), ratio=0.05)
+    download = ModelDownload(server.manifest, CHUNK)
+    with pytest.raises(ValueError, match="blob of this manifest"):
+        download.hold(0, server.served[:-4])
+    with pytest.raises(ValueError, match="blob of this manifest"):
+        download.hold(0, server.served.view(torch.float32))
 
 
 def test_downlink_spec() -> None:
@@ -261,3 +312,44 @@ def test_edges_over_a_lossy_link_hold_the_gateways_public_model_of_their_version
             assert download.public is not None
             assert gateway.served_digest(download.public_version) == blob.digest(download.public)
     assert served["kind=patch"] > 0 and gateway.public is not None
+
+
+def seeded(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return TASK.build_model()
+
+
+def test_an_edge_built_from_the_gateways_seed_never_downloads_a_whole_model() -> None:
+    """The gateway's first version is its seed model (seed 0 by default, as the edge's): an edge
+    that built the same holds it, and every model it gets, the first included, is a patch."""
+    with gateway_thread(quorum=1, round_deadline_s=0.2, model_versions_kept=1024) as gateway:
+        edges = [
+            ElasticEdge(
+                seeded(seed),
+                SessionOptions(
+                    gateway=gateway.bound_endpoint,
+                    client_id=f"seed{seed}",
+                    timeout_s=0.1,
+                    heartbeat_s=0.2,
+                    faults=Faults.parse(f"loss=0.2,duplicate=0.2,seed={seed}"),
+                    state_dir="",
+                ),
+            )
+            for seed in (0, 1)
+        ]
+        for i, agent in enumerate(edges):
+            train_digits(agent, 2.0, i, parts=2)
+        for agent in edges:
+            agent.close(drain_s=0.0)
+        served = gateway.status()["metrics"]["gateway_model_served_bytes_total"]
+        same, other = (agent.session.download for agent in edges)
+        assert same.stats.patches >= 2 and same.stats.snapshots == 0, same.stats
+        # Another seed's model is no version of the gateway's: its first model comes whole.
+        assert other.stats.snapshots >= 1 and other.stats.patch_failures == 0, other.stats
+        for download in (same, other):
+            assert download.public is not None
+            assert gateway.served_digest(download.public_version) == blob.digest(download.public)
+        # Only the other edge's snapshots went whole (a lossy link may ask a chunk twice).
+        dense = same.manifest.blob_bytes
+        assert served["kind=snapshot"] >= other.stats.snapshots * dense
+        assert served["kind=snapshot"] <= 2 * other.stats.snapshots * dense
