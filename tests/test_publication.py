@@ -16,6 +16,7 @@ import torch
 from fleet import gateway_thread, train_digits
 from torch import nn
 
+from elasticfed.cloud.gateway import Gateway
 from elasticfed.cloud.publication import PublicModel, downlink_ratio
 from elasticfed.common.link import Faults
 from elasticfed.common.task import load_task
@@ -29,8 +30,8 @@ CHUNK = 4096
 TASK = load_task("elasticfed.common.tasks.digits:task")
 
 
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
     # 70,001 entries in one layer: patches straddle the sparse encoding's 65,536-entry blocks.
     return nn.Sequential(nn.Linear(40, 30), nn.Linear(30, 7), nn.Linear(1, 70_001))
 
@@ -243,14 +244,8 @@ def test_an_edge_that_built_the_seed_model_gets_its_first_model_as_a_patch() -> 
     seed = server.served  # version 1: the model as built, whole
     same, other = ModelDownload(server.manifest, CHUNK), ModelDownload(server.manifest, CHUNK)
     same.hold(server.version, seed.clone())
-    torch.manual_seed(9)  # a model of the same shapes from another seed: not the gateway's
-    other.hold(
-        server.version,
-        blob.pack(
-            server.manifest,
-            dict(nn.Sequential(nn.Linear(40, 30), nn.Linear(30, 7), nn.Linear(1, 70_001)).named_parameters()),
-        ),
-    )
+    # A model of the same shapes from another seed: not the gateway's.
+    other.hold(server.version, blob.pack(server.manifest, dict(make_model(seed=9).named_parameters())))
     gen = torch.Generator().manual_seed(6)
     for _ in range(3):
         server.step(gen)
@@ -285,22 +280,24 @@ def test_downlink_spec() -> None:
             downlink_ratio(bad)
 
 
+def lossy_edge(gateway: Gateway, model: nn.Module, name: str, seed: int) -> ElasticEdge:
+    """An edge over a link that loses and duplicates a fifth of its messages each way."""
+    return ElasticEdge(
+        model,
+        SessionOptions(
+            gateway=gateway.bound_endpoint,
+            client_id=name,
+            timeout_s=0.1,
+            heartbeat_s=0.2,
+            faults=Faults.parse(f"loss=0.2,duplicate=0.2,seed={seed}"),
+            state_dir="",
+        ),
+    )
+
+
 def test_edges_over_a_lossy_link_hold_the_gateways_public_model_of_their_version() -> None:
     with gateway_thread(quorum=1, round_deadline_s=0.2, model_versions_kept=1024) as gateway:
-        edges = [
-            ElasticEdge(
-                TASK.build_model(),
-                SessionOptions(
-                    gateway=gateway.bound_endpoint,
-                    client_id=f"e{i}",
-                    timeout_s=0.1,
-                    heartbeat_s=0.2,
-                    faults=Faults.parse(f"loss=0.2,duplicate=0.2,seed={i}"),
-                    state_dir="",
-                ),
-            )
-            for i in range(2)
-        ]
+        edges = [lossy_edge(gateway, TASK.build_model(), f"e{i}", i) for i in range(2)]
         for i, agent in enumerate(edges):
             train_digits(agent, 3.0, i, parts=2)
         for agent in edges:
@@ -323,20 +320,7 @@ def test_an_edge_built_from_the_gateways_seed_never_downloads_a_whole_model() ->
     """The gateway's first version is its seed model (seed 0 by default, as the edge's): an edge
     that built the same holds it, and every model it gets, the first included, is a patch."""
     with gateway_thread(quorum=1, round_deadline_s=0.2, model_versions_kept=1024) as gateway:
-        edges = [
-            ElasticEdge(
-                seeded(seed),
-                SessionOptions(
-                    gateway=gateway.bound_endpoint,
-                    client_id=f"seed{seed}",
-                    timeout_s=0.1,
-                    heartbeat_s=0.2,
-                    faults=Faults.parse(f"loss=0.2,duplicate=0.2,seed={seed}"),
-                    state_dir="",
-                ),
-            )
-            for seed in (0, 1)
-        ]
+        edges = [lossy_edge(gateway, seeded(seed), f"seed{seed}", seed) for seed in (0, 1)]
         for i, agent in enumerate(edges):
             train_digits(agent, 2.0, i, parts=2)
         for agent in edges:
