@@ -95,6 +95,7 @@ class ModelDownload:
         self._asked: dict[int, float] = {}  # chunk -> when asked on the current connection
         self._next = 0  # lowest chunk index that may still be missing and unasked
         self._began: float | None = None  # when this download's first request went out
+        self.reasked = 0  # requests of this download asked again (restarts of it keep the count)
         # Seconds from the first request to the model assembled, of the last download that
         # finished (None: none yet).  The gateway paces its rounds no faster (ModelFetch.fetch_ms).
         self.last_fetch_s: float | None = None
@@ -122,6 +123,7 @@ class ModelDownload:
         else:
             self._reset(version, 0)
         self._began = None  # a new download (restarts of one keep its start: see on_chunk)
+        self.reasked = 0
 
     def held(self) -> tuple[int, int] | None:
         """(version, digest) of the model last assembled: the gateway's public model of that version."""
@@ -181,6 +183,7 @@ class ModelDownload:
             if now - at >= reask_after_s:
                 self._asked[i] = now
                 self.stats.reasks += 1
+                self.reasked += 1
                 out.append(self._request(i))
         outstanding = self.outstanding_bytes()
         i = self._next

@@ -185,6 +185,22 @@ def test_requests_are_asked_again_only_after_the_re_ask_interval() -> None:
     assert sorted(download.requests(2 * CHUNK, now=1.0, reask_after_s=1.0)) == sorted(asked)
 
 
+def test_each_download_counts_its_own_re_asks() -> None:
+    # The session backs its probe off by this count while the downlink is unmeasured; patches
+    # never measure it, and a count over every download pinned each one's first re-ask at
+    # seconds (1 model in 6 versions at 30% loss).
+    manifest, data, digest = served(make_model(), 1)
+    download = ModelDownload(manifest, CHUNK)
+    download.start(1)
+    asked = download.requests(CHUNK, now=0.0, reask_after_s=1.0)
+    assert download.requests(CHUNK, now=1.0, reask_after_s=1.0) == asked
+    assert download.requests(CHUNK, now=2.0, reask_after_s=1.0) == asked
+    assert download.reasked == 2
+    download.start(2)
+    assert download.reasked == 0
+    assert download.stats.reasks == 2  # the statistic stays cumulative
+
+
 def test_the_meter_measures_a_busy_fifo_link_and_ignores_idle_gaps() -> None:
     meter = LinkMeter(initial_bps=1e3)
     assert meter.budget(5000) == 256 * 1024  # the minimum, until measured
