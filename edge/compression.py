@@ -3,9 +3,9 @@
 One mechanism, a few policies, named by a spec string a user can type:
 
 - `auto` (the default): the densest of the encodings below whose push of the
-  whole model takes the uplink, as measured, no longer than a training step
-  (at least `AUTO_MIN_PUSH_S`): dense where the link is fast, top-k where it
-  is slow (`AutoCompression`);
+  whole model takes the uplink, as measured, no longer than a quarter of a
+  training step (of at least `AUTO_MIN_PUSH_S`): dense where the link is fast,
+  top-k where it is slow (`AutoCompression`);
 - `none`: the sum as it is (fp32 for an fp32 model);
 - `fp16`: half precision;
 - `int8`: one byte an element, one scale per `INT8_CHUNK` elements;
@@ -36,6 +36,7 @@ from elasticfed.protocol.payload import SPARSE_BLOCK, Dense, Payload, Quantized,
 
 INT8_CHUNK = 256  # elements per int8 scale: 1.6% of the codes' bytes for fp32 scales
 AUTO_MIN_PUSH_S = 0.2  # `auto` never compresses harder than a push every this long needs
+AUTO_PUSH_SHARE = 0.25  # `auto`'s whole-model push takes the uplink this share of a step
 AUTO_MIN_RATIO, AUTO_MAX_RATIO = 0.001, 0.25  # the top-k ratios `auto` chooses between
 # Probing (`AutoCompression`): every PROBE_EVERY_S a compressing edge sends PROBE_GAIN times its
 # budget for PROBE_S, then judges after PROBE_SETTLE_S whether the measured rate grew by
@@ -131,9 +132,12 @@ class UplinkCompression:
 class AutoCompression:
     """The encoding a push needs on the link as measured: `observe` picks, `encode` uses it.
 
-    The budget of a whole-model push is what the uplink carries in one training step
-    (at least `AUTO_MIN_PUSH_S`): a push then leaves before the next step's gradients
-    are ready, and a fast link carries everything.  Its share of the dense size picks
+    The budget of a whole-model push is what the uplink carries in a quarter of a training
+    step (of at least `AUTO_MIN_PUSH_S`), not in a whole one: a push that fills the link
+    for a step arrives a step late, and every version published meanwhile makes it staler.
+    On the small text task at 2 Mbit/s, filling the link made pushes 3.4-3.9 versions old,
+    a quarter 2.1-2.3 (README, "Bandwidth").  What a push leaves out is delayed in the
+    residual, not lost, and its largest entries go at once.  Its share of the dense size picks
     the rung: none (all of it), fp16 (half), int8 (a quarter), else top-k with int8
     values at the ratio that fits (3 bytes an entry).  Until the link is measured it
     sends int8.  Changing rungs between pushes loses nothing: the residual carries
@@ -166,7 +170,7 @@ class AutoCompression:
         """Re-pick the rung from the measured uplink, the time a step takes and the model's dense size
         (probing for more now and then when given the time)."""
         gain = 1.0 if now is None else self._probe(uplink_bytes_per_s, now)
-        budget = gain * uplink_bytes_per_s * max(step_s, AUTO_MIN_PUSH_S)
+        budget = gain * AUTO_PUSH_SHARE * uplink_bytes_per_s * max(step_s, AUTO_MIN_PUSH_S)
         share = budget / max(dense_bytes, 1)
         if share >= 1.0:
             self.current = UplinkCompression("none")

@@ -41,18 +41,19 @@ def test_specs_parse_to_one_canonical_name_and_say_what_they_send() -> None:
             UplinkCompression.parse(bad)
 
 
-def test_auto_picks_the_densest_encoding_whose_push_fits_in_a_step() -> None:
+def test_auto_picks_the_densest_encoding_whose_push_takes_a_quarter_of_a_step() -> None:
     auto = UplinkCompression.parse("auto")
     assert isinstance(auto, AutoCompression) and auto.current.spec == "int8"  # until measured
     model = 10_000_000  # bytes, dense: 8 s at 10 Mbit/s
     link = 1.25e6  # 10 Mbit/s
-    assert auto.observe(link, 8.0, model).spec == "none"  # a step is as long as a dense push
-    assert auto.observe(link, 4.0, model).spec == "fp16"
-    assert auto.observe(link, 2.5, model).spec == "int8"
-    # A Jetson's 50 ms step: a push every 0.2 s at most, 250 KB, 2.5% of the model.
-    assert auto.observe(link, 0.05, model).spec == "topk:0.03+int8"
-    assert auto.observe(1e5, 0.05, model).spec == "topk:0.003+int8"  # 0.8 Mbit/s
-    assert auto.observe(2e4, 0.05, model).spec == "topk:0.001+int8"  # 160 kbit/s: the floor
+    assert auto.observe(link, 32.0, model).spec == "none"  # a quarter step is as long as a dense push
+    assert auto.observe(link, 16.0, model).spec == "fp16"
+    assert auto.observe(link, 10.0, model).spec == "int8"
+    assert auto.observe(link, 8.0, model).spec == "topk:0.2+int8"  # below int8: top-k, at most 0.25
+    # A Jetson's 50 ms step: a push every 0.2 s at most, a quarter of it on the link: 62 KB.
+    assert auto.observe(link, 0.05, model).spec == "topk:0.008+int8"
+    assert auto.observe(4e5, 0.05, model).spec == "topk:0.003+int8"  # 3.2 Mbit/s
+    assert auto.observe(1e5, 0.05, model).spec == "topk:0.001+int8"  # 0.8 Mbit/s: the floor
     assert auto.observe(1e9, 0.05, model).spec == "none"  # a data-centre link
     x = torch.randn(1000)
     payload = auto.encode(x, (1000,))
