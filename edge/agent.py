@@ -34,7 +34,7 @@ from elasticfed.common.gradient_hooks import GradientHooks, pack_by_size, traina
 from elasticfed.common.transport import Link
 from elasticfed.edge.cache import GradientCache
 from elasticfed.edge.compression import Compression, UplinkCompression
-from elasticfed.edge.config import DRIFT_HORIZON
+from elasticfed.edge.config import DRIFT_HORIZON, LOCAL_STEPS
 from elasticfed.edge.direction import Direction, RawGradient, SgdDirection
 from elasticfed.edge.drift import ControlVariates, Horizon, Proximal
 from elasticfed.edge.session import EdgeSession, SessionOptions
@@ -55,6 +55,7 @@ class ElasticEdge(nn.Module):
         options: SessionOptions,
         *,
         sync_every: int = 1,
+        local_steps: int = LOCAL_STEPS,
         pack_cap_bytes: int = 1 << 20,
         model_version: int = 0,
         start: bool = True,
@@ -69,12 +70,15 @@ class ElasticEdge(nn.Module):
         super().__init__()
         if sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+        if local_steps < 1:
+            raise ValueError(f"local_steps must be >= 1, got {local_steps}")
         if lr is not None and not is_rate(lr):
             raise ValueError(f"lr must be a learning rate in (0, {MAX_RATE:g}], got {lr!r}")
         if isinstance(compression, str):
             compression = UplinkCompression.parse(compression)
         self.module = module
         self.sync_every = sync_every
+        self.local_steps = local_steps
         named = trainable_parameters(module)
         self.manifest = Manifest.from_parameters(module.named_parameters())
         sizes = [p.numel() * p.element_size() for _, p in named]
@@ -101,6 +105,7 @@ class ElasticEdge(nn.Module):
         # are neither produced nor sent, and the edge fetches the global model again.
         self.nonfinite_steps = 0
         self._diverged = False
+        self._adopt_now = False  # the local model diverged: the next global model replaces it at once
         self.lr = lr  # the local rate, where no followed optimizer says it
         self._followed: SgdDirection | None = None  # the optimizer whose steps (and rates) we know
         self.session = EdgeSession(options, self.manifest, self.cache, model_version, link=link)
@@ -139,8 +144,12 @@ class ElasticEdge(nn.Module):
         return self.hooks.arm(self.module(*args, **kwargs))
 
     def adopt_newest(self) -> bool:
-        """Load the newest global model the gateway sent, if it is not loaded yet."""
+        """Load the newest global model the gateway sent, if it is not loaded yet and this
+        model's `local_steps` are done (the first model and one replacing a diverged local
+        model at once)."""
         self.session.raise_if_failed()
+        if self.models_adopted and self.since_adopted < self.local_steps and not self._adopt_now:
+            return False  # the session keeps the newest; taken after the local steps
         model = self.session.take_model()
         if model is None:
             return False
@@ -151,6 +160,7 @@ class ElasticEdge(nn.Module):
         self.version = model.version
         self.models_adopted += 1
         self.since_adopted = 0
+        self._adopt_now = False
         if self.drift is not None:
             self.drift.rebase(list(self._by_name.values()))
         if self.variates is not None:
@@ -254,6 +264,7 @@ class ElasticEdge(nn.Module):
                     self.steps,
                     self.nonfinite_steps,
                 )
+            self._adopt_now = True
             self.session.refetch_model()
 
     # -------------------------------------------------------------------- the end

@@ -205,6 +205,7 @@ def run(args: argparse.Namespace, config: EdgeConfig) -> int:
             model,
             session_options(config, client_id, curve),
             sync_every=config.sync_every,
+            local_steps=config.train.local_steps,
             pack_cap_bytes=config.pack_cap_kib * 1024,
             compression=config.compression,
             audit=config.audit_mass,
