@@ -271,6 +271,17 @@ def test_auto_compression_probes_for_a_faster_link_and_stops_when_it_finds_none(
     assert slow.probes == 2
 
 
+def test_a_small_answers_time_on_the_link_is_not_taken_for_the_round_trip() -> None:
+    # 5 Mbit/s, a 2 ms path: a 30 KB patch takes 50 ms, mostly on the link.  Taken whole as the
+    # round trip, it was subtracted from a 120 KB patch's 194 ms, which then read as 6.7 Mbit/s.
+    rate, path = 6.25e5, 0.002
+    meter = LinkMeter(initial_bps=1.25e5)
+    meter.answered(30_000, sent_at=0.0, now=path + 30_000 / rate)
+    meter.answered(120_000, sent_at=1.0, now=1.0 + path + 120_000 / rate)
+    assert meter.measured and meter.rate <= rate * 1.02
+    assert meter.rate >= rate * 0.95  # still the link's rate, not the 1 Mbit/s guess
+
+
 def test_answers_that_come_in_a_bunch_never_read_as_a_faster_link() -> None:
     # Ten 1 MB pushes sent at once over 10 Mbit/s; their acks queued behind model chunks and
     # came within 10 ms of each other 8 s later.  Gaps between answers would say 1 GB/s.
