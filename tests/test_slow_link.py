@@ -125,7 +125,7 @@ def test_a_multi_megabyte_model_over_5_mbit_links_trains_without_reconnects_or_s
     assert gw["accuracy"] >= 0.8, figures
     # The measured rates are those of the link (tbf), within what TCP over it achieves.  Since
     # every model comes as a patch (one 100-130 KB answer each) the downlink reads high: 5.7-6.4
-    # on this 5 Mbit/s link in 4 runs (the estimate is the largest recent sample, and one
+    # on this 5 Mbit/s link, 4 edges in 2 runs (the estimate is the largest recent sample, and one
     # answer's sample holds the tbf burst and the round trip's error); whole models read 4.3-4.9.
     # The bias is open; this bounds it.
     for mbit in figures["downlink_mbit"]:
