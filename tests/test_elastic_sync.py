@@ -13,7 +13,8 @@ import multiprocessing as mp
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import edge_cases
@@ -213,57 +214,52 @@ def wait_for(condition: Callable[[], object], what: str, timeout_s: float = 30.0
         time.sleep(0.005)
 
 
+@contextmanager
+def digits_edge(client_id: str, local_steps: int) -> Iterator[tuple[ElasticEdge, torch.nn.Module]]:
+    """A ready digits edge on a gateway that closes a round per push; it must deliver all at the end."""
+    with gateway_thread(quorum=1, round_deadline_s=0.05) as gateway:
+        torch.manual_seed(0)
+        model = build_model()
+        options = SessionOptions(gateway=gateway.bound_endpoint, client_id=client_id)
+        agent = ElasticEdge(model, options, local_steps=local_steps)
+        try:
+            assert agent.wait_ready(timeout_s=30)
+            yield agent, model
+        except BaseException:
+            agent.close()
+            raise
+        assert agent.close(drain_s=30)
+
+
 def test_an_edge_adopts_a_newer_model_only_after_its_local_steps() -> None:
     # Each step waits until a newer model has come: adopting whenever one is here, every gap
     # would be one step (plain SGD between models: momentum restarts with each).
-    with gateway_thread(quorum=1, round_deadline_s=0.05) as gateway:
-        torch.manual_seed(0)
-        model = build_model()
-        agent = ElasticEdge(
-            model, SessionOptions(gateway=gateway.bound_endpoint, client_id="local"), local_steps=4
-        )
-        try:
-            assert agent.wait_ready(timeout_s=30)
-            x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
-            adopted_at: list[int] = []
-            while len(adopted_at) < 4:
-                before = agent.models_adopted
-                loss = torch.nn.functional.cross_entropy(agent(x), y)  # forward: adopts if it may
-                if agent.models_adopted > before:
-                    adopted_at.append(agent.steps)
-                loss.backward()
-                wait_for(lambda: agent.session.have_version > agent.version, "a newer model")
-            assert [b - a for a, b in zip(adopted_at, adopted_at[1:])] == [4, 4, 4], adopted_at
-            assert agent.close(drain_s=30)
-        except BaseException:
-            agent.close()
-            raise
+    with digits_edge("local", local_steps=4) as (agent, _):
+        x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
+        adopted_at: list[int] = []
+        while len(adopted_at) < 4:
+            before = agent.models_adopted
+            loss = torch.nn.functional.cross_entropy(agent(x), y)  # forward: adopts if it may
+            if agent.models_adopted > before:
+                adopted_at.append(agent.steps)
+            loss.backward()
+            wait_for(lambda: agent.session.have_version > agent.version, "a newer model")
+        assert [b - a for a, b in zip(adopted_at, adopted_at[1:])] == [4, 4, 4], adopted_at
 
 
 def test_a_diverged_edge_adopts_the_next_model_without_its_local_steps() -> None:
-    with gateway_thread(quorum=1, round_deadline_s=0.05) as gateway:
-        torch.manual_seed(0)
-        model = build_model()
-        agent = ElasticEdge(
-            model, SessionOptions(gateway=gateway.bound_endpoint, client_id="nan"), local_steps=1000
-        )
-        try:
-            assert agent.wait_ready(timeout_s=30)
-            x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
-            torch.nn.functional.cross_entropy(agent(x), y).backward()
-            wait_for(lambda: agent.session.have_version > agent.version, "a newer model")
-            agent(x)  # the first model is adopted at once
-            assert agent.models_adopted == 1
-            with torch.no_grad():
-                next(model.parameters()).fill_(float("nan"))
-            torch.nn.functional.cross_entropy(agent(x), y).backward()
-            assert agent.nonfinite_steps == 1
-            wait_for(lambda: agent.adopt_newest() or agent.models_adopted == 2, "the model fetched again")
-            assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
-            assert agent.close(drain_s=30)
-        except BaseException:
-            agent.close()
-            raise
+    with digits_edge("nan", local_steps=1000) as (agent, model):
+        x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
+        torch.nn.functional.cross_entropy(agent(x), y).backward()
+        wait_for(lambda: agent.session.have_version > agent.version, "a newer model")
+        agent(x)  # the first model is adopted at once
+        assert agent.models_adopted == 1
+        with torch.no_grad():
+            next(model.parameters()).fill_(float("nan"))
+        torch.nn.functional.cross_entropy(agent(x), y).backward()
+        assert agent.nonfinite_steps == 1
+        wait_for(lambda: agent.adopt_newest() or agent.models_adopted == 2, "the model fetched again")
+        assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
 def test_a_step_with_nan_gradients_is_not_sent_and_the_global_model_comes_back() -> None:
