@@ -161,6 +161,7 @@ class ElasticEdge(nn.Module):
         self.models_adopted += 1
         self.since_adopted = 0
         self._adopt_now = False
+        self.session.expect_adoption(self._steps_to_adoption())
         if self.drift is not None:
             self.drift.rebase(list(self._by_name.values()))
         if self.variates is not None:
@@ -266,6 +267,13 @@ class ElasticEdge(nn.Module):
                 )
             self._adopt_now = True
             self.session.refetch_model()
+        self.session.expect_adoption(self._steps_to_adoption())
+
+    def _steps_to_adoption(self) -> int:
+        """Steps until `adopt_newest` takes a model: the session fetches in time for it."""
+        if not self.models_adopted or self._adopt_now:
+            return 0
+        return max(0, self.local_steps - self.since_adopted)
 
     # -------------------------------------------------------------------- the end
     def close(self, drain_s: float = 0.0) -> bool:

@@ -232,19 +232,41 @@ def digits_edge(client_id: str, local_steps: int) -> Iterator[tuple[ElasticEdge,
 
 
 def test_an_edge_adopts_a_newer_model_only_after_its_local_steps() -> None:
-    # Each step waits until a newer model has come: adopting whenever one is here, every gap
-    # would be one step (plain SGD between models: momentum restarts with each).
+    # Each step waits until a newer version is announced, and the step that may adopt until it
+    # has come: adopting whenever one is here, every gap would be one step (plain SGD between
+    # models: momentum restarts with each).
     with digits_edge("local", local_steps=4) as (agent, _):
         x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
         adopted_at: list[int] = []
         while len(adopted_at) < 4:
+            if agent.since_adopted >= agent.local_steps:
+                wait_for(lambda: agent.session.have_version > agent.version, "a newer model in time")
             before = agent.models_adopted
             loss = torch.nn.functional.cross_entropy(agent(x), y)  # forward: adopts if it may
             if agent.models_adopted > before:
                 adopted_at.append(agent.steps)
             loss.backward()
-            wait_for(lambda: agent.session.have_version > agent.version, "a newer model")
+            wait_for(lambda: agent.session.announced > agent.version, "a newer version announced")
         assert [b - a for a, b in zip(adopted_at, adopted_at[1:])] == [4, 4, 4], adopted_at
+
+
+def test_an_edge_fetches_only_the_models_it_will_adopt() -> None:
+    # A version is published after every step and announced in its ack; an edge that adopts
+    # nothing for 1000 steps fetches none of them (it fetched each before: 20 of 20).
+    with digits_edge("lazy", local_steps=1000) as (agent, _):
+        x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
+        torch.nn.functional.cross_entropy(agent(x), y).backward()
+        wait_for(lambda: agent.session.have_version > agent.version, "the first model")
+        agent(x)  # the first model is adopted at once
+        assert agent.models_adopted == 1
+        received = agent.session.metrics.models.get()
+        for _ in range(20):
+            announced = agent.session.announced
+            torch.nn.functional.cross_entropy(agent(x), y).backward()
+            wait_for(lambda seen=announced: agent.session.announced > seen, "the next version announced")
+        # Until two steps are timed the session fetches as soon as announced (nothing to plan with).
+        assert agent.session.metrics.models.get() - received <= 2
+        assert agent.models_adopted == 1
 
 
 def test_a_diverged_edge_adopts_the_next_model_without_its_local_steps() -> None:
