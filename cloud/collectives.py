@@ -46,6 +46,15 @@ class UnitComm:
             raise self._error("all-reduce", exc) from exc
         return self._noted(work)
 
+    def broadcast(self, tensor: torch.Tensor, src: int) -> dist.Work:
+        """`src`'s tensor to every rank of the group (`src`: a rank of the whole job), asynchronously."""
+        self._started = time.perf_counter()
+        try:
+            work = dist.broadcast(tensor, src=src, group=self.group, async_op=True)
+        except Exception as exc:
+            raise self._error("broadcast", exc) from exc
+        return self._noted(work)
+
     def all_gather(self, outputs: Sequence[torch.Tensor], tensor: torch.Tensor) -> dist.Work:
         self._started = time.perf_counter()
         try:

@@ -33,6 +33,7 @@ from torch import nn
 from elasticfed.cloud import planning
 from elasticfed.cloud.collectives import CollectiveError, UnitComm
 from elasticfed.cloud.compression import Compressor, make_compressor
+from elasticfed.cloud.hierarchy import HierarchicalSum, Hierarchy
 from elasticfed.common.gradient_hooks import GradientHooks, trainable_parameters
 from elasticfed.protocol.payload import checksum, tensor_buffer
 
@@ -85,6 +86,7 @@ class _Unit:
         group: dist.ProcessGroup,
         timeout: timedelta,
         compression: str,
+        hierarchy: Hierarchy | None = None,
     ) -> None:
         self.index = index
         self.params = params
@@ -106,10 +108,14 @@ class _Unit:
             size = math.prod(shape)
             self.views.append(self.flat[offset : offset + size].view(shape))
             offset += size
-        self.comm = UnitComm(group, self.label, timeout)
-        self.compressor: Compressor = make_compressor(
-            compression, shapes, self.dtype, first.device, self.comm
-        )
+        self.compressor: Compressor
+        if hierarchy is not None:  # within each kind, between the kinds' leaders, back
+            hierarchical = HierarchicalSum(numel, self.dtype, first.device, hierarchy, self.label, timeout)
+            self.comm = hierarchical.local
+            self.compressor = hierarchical
+        else:
+            self.comm = UnitComm(group, self.label, timeout)
+            self.compressor = make_compressor(compression, shapes, self.dtype, first.device, self.comm)
         self.current: torch.Tensor | None = None
         self.started = 0.0
 
@@ -127,6 +133,7 @@ class LayerSync:
         overlap: bool,
         find_unused_parameters: bool,
         timeout: timedelta,
+        hierarchy: Hierarchy | None = None,
     ) -> None:
         self.names = list(names)
         self.params = list(params)
@@ -136,12 +143,15 @@ class LayerSync:
         self.overlap = overlap
         self.find_unused_parameters = find_unused_parameters
         self.timeout = timeout
+        self.hierarchy = hierarchy
         self.stats = SyncStats()
         self.failed: BaseException | None = None
         self.units: list[_Unit] = []
         self._launched: list[_Unit] = []
         self._warned_unused: set[int] = set()
-        self._used = torch.zeros(len(params), dtype=torch.int32, device=params[0].device)
+        # Job-wide collectives of a job mixing kinds take CPU tensors (gloo reaches every rank).
+        self.job_device = torch.device("cpu") if hierarchy is not None else params[0].device
+        self._used = torch.zeros(len(params), dtype=torch.int32, device=self.job_device)
         self._used_comm = UnitComm(groups[0], "the used-parameter map", timeout)
         self.after_step: Callable[[], None] | None = None
         self.record_completion = False  # set by the adaptive strategy; debug logging turns it on too
@@ -158,6 +168,7 @@ class LayerSync:
                 self.groups[u % len(self.groups)],
                 self.timeout,
                 self.compression,
+                self.hierarchy,
             )
             for u, unit in enumerate(plan)
         ]
@@ -295,7 +306,9 @@ class LayerwiseDDP(nn.Module):
     (process groups over the same ranks, units spread round-robin),
     `find_unused_parameters` (exact DDP handling of parameters no rank used),
     `timeout_s` (deadline on every wait), `check_every` (compare parameter
-    checksums across ranks every N steps; also from ELASTICFED_CHECK_EVERY).
+    checksums across ranks every N steps; also from ELASTICFED_CHECK_EVERY),
+    `hierarchy` (ranks of different kinds, e.g. CUDA and CPU: each unit summed
+    within each kind, across the kinds' leaders and back; cloud/hierarchy.py).
     """
 
     def __init__(
@@ -314,6 +327,7 @@ class LayerwiseDDP(nn.Module):
         check_every: int | None = None,
         block_of: Callable[[str], str] | None = None,
         replan_every: int = 200,
+        hierarchy: Hierarchy | None = None,
     ) -> None:
         super().__init__()
         if not dist.is_initialized():
@@ -330,6 +344,12 @@ class LayerwiseDDP(nn.Module):
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         if pack_cap_bytes < 0:
             raise ValueError(f"pack_cap_bytes must be >= 0, got {pack_cap_bytes}")
+        if hierarchy is not None and (compression != "none" or streams != 1 or strategy == "adaptive"):
+            raise ValueError(
+                "a hierarchy of kinds sums each unit in three stages of its own: it takes compression "
+                f"'none', one stream and strategy 'layerwise' or 'blockwise' (got compression "
+                f"{compression!r}, {streams} streams, strategy {strategy!r})"
+            )
         if check_every is None:
             check_every = _env_int(CHECK_EVERY_ENV)
         self.module = module
@@ -338,6 +358,7 @@ class LayerwiseDDP(nn.Module):
         self.check_every = check_every
         self.replan_every = replan_every
         self.process_group = process_group or dist.group.WORLD
+        self.hierarchy = hierarchy
         self.rank = dist.get_rank(self.process_group)
         self.world_size = dist.get_world_size(self.process_group)
         self._src = dist.get_global_rank(self.process_group, 0)
@@ -364,6 +385,7 @@ class LayerwiseDDP(nn.Module):
             overlap=overlap,
             find_unused_parameters=find_unused_parameters,
             timeout=timeout,
+            hierarchy=hierarchy,
         )
         plan = planning.initial_plan(
             strategy, self.layer_names, self._sizes, self._dtypes, pack_cap_bytes, block_of
@@ -435,8 +457,7 @@ class LayerwiseDDP(nn.Module):
     def check_consistency(self) -> None:
         """Compare every parameter's checksum across ranks; raise naming the first layer that differs."""
         sums = torch.tensor([_signed64(_tensor_checksum(p)) for p in self.sync.params], dtype=torch.int64)
-        device = self.sync.params[0].device
-        sums = sums.to(device)
+        sums = sums.to(self.sync.job_device)
         gathered = [torch.empty_like(sums) for _ in range(self.world_size)]
         dist.all_gather(gathered, sums, group=self.process_group)
         table = torch.stack(gathered).cpu()
@@ -459,13 +480,18 @@ class LayerwiseDDP(nn.Module):
 
         With `keep`, the flat buffers are kept for the next call (the per-step buffer broadcast).
         """
-        plan = self._coalesced if keep and self._coalesced else _coalesce(tensors)
+        # A job mixing kinds broadcasts through host memory (gloo reaches every rank).
+        staged = self.hierarchy is not None
+        plan = self._coalesced if keep and self._coalesced else _coalesce(tensors, staged)
         if keep:
             self._coalesced = plan
         with torch.no_grad():
             for flat, group in plan:
                 if self.rank == 0:
-                    torch.cat([t.reshape(-1) for t in group], out=flat)
+                    if flat.device == group[0].device:
+                        torch.cat([t.reshape(-1) for t in group], out=flat)
+                    else:
+                        flat.copy_(torch.cat([t.reshape(-1) for t in group]))
                 dist.broadcast(flat, src=self._src, group=self.process_group)
                 if self.rank != 0:
                     offset = 0
@@ -557,12 +583,21 @@ class LayerwiseDDP(nn.Module):
         self._tuning["ready"].zero_()
 
 
-def _coalesce(tensors: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+def _coalesce(
+    tensors: Sequence[torch.Tensor], on_host: bool = False
+) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
     by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
         by_kind.setdefault((t.dtype, t.device), []).append(t.detach())
     return [
-        (torch.empty(sum(t.numel() for t in group), dtype=group[0].dtype, device=group[0].device), group)
+        (
+            torch.empty(
+                sum(t.numel() for t in group),
+                dtype=group[0].dtype,
+                device="cpu" if on_host else group[0].device,
+            ),
+            group,
+        )
         for group in by_kind.values()
     ]
 

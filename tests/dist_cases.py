@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from elasticfed.cloud.hierarchy import HierarchicalSum, Hierarchy
 from elasticfed.cloud.layerwise import LayerwiseDDP
 
 
@@ -151,6 +152,8 @@ def compare_with_ddp(
     **options: Any,
 ) -> dict[str, Any]:
     torch_dtype = getattr(torch, dtype)
+    if options.pop("kinds", None) == "halves":  # two gloo groups standing in for CUDA and CPU ranks
+        options["hierarchy"] = Hierarchy.of_kinds("a" if rank < (world + 1) // 2 else "b")
     torch.manual_seed(1000 + rank)  # different on every rank: the broadcast must make them equal
     base = MODELS[model]().to(torch_dtype)
     find_unused = model == "branchy"
@@ -589,3 +592,62 @@ def edge_mixing_stops(rank: int, world: int, why: str) -> dict[str, Any]:
         "gateway_failed": mixing.gateway_failed,
         "digest": [float(p.detach().double().sum()) for p in params],
     }
+
+
+def hierarchical_against_flat(rank: int, world: int, kinds: str) -> dict[str, Any]:
+    """Sums of random tensors in three stages (rank r of kind kinds[r]) against one flat all-reduce."""
+    hierarchy = Hierarchy.of_kinds(kinds[rank])
+    timeout = dist.default_pg_timeout
+    worst = 0.0
+    scale = 0.0
+    for n in (1, 7, 1000, 65_537):
+        torch.manual_seed(100 * rank + n)
+        mine = torch.randn(n)
+        flat = mine.clone()
+        dist.all_reduce(flat)
+        stages = HierarchicalSum(n, mine.dtype, mine.device, hierarchy, f"{n} entries", timeout)
+        summed = mine.clone()
+        stages.start(summed)
+        stages.advance()
+        stages.finish()
+        worst = max(worst, (summed.double() - flat.double()).abs().max().item())
+        scale = max(scale, flat.abs().max().item())
+    refused = ""
+    try:
+        LayerwiseDDP(MLP(), compression="fp16", hierarchy=hierarchy)
+    except ValueError as exc:
+        refused = str(exc)
+    return {
+        "max_abs_diff": worst,
+        "scale": scale,
+        "kinds": list(hierarchy.kinds),
+        "leads": hierarchy.leads,
+        "refused": refused,
+    }
+
+
+def mixed_devices(rank: int, world: int, steps: int = 3, gpu: bool = True) -> dict[str, Any]:
+    """Rank 0 on CUDA, the others on the CPU, in one job ("cpu:gloo,cuda:nccl"): LayerwiseDDP with a
+    hierarchy by device against the flat average of the same gradients on the CPU."""
+    device = torch.device("cuda", 0) if rank == 0 and gpu else torch.device("cpu")
+    torch.manual_seed(1000 + rank)
+    model = MLP().to(device)
+    ours = LayerwiseDDP(model, hierarchy=Hierarchy.by_device(device), pack_cap_bytes=0)
+    worst = 0.0
+    for step in range(steps):
+        inputs, target = _batch("mlp", rank, step)
+        inputs, target = tuple(x.to(device) for x in inputs), target.to(device)
+        alone = copy.deepcopy(model)  # this rank's own gradient, outside the sync's hooks
+        mine = torch.autograd.grad(F.cross_entropy(alone(*inputs), target), list(alone.parameters()))
+        F.cross_entropy(ours(*inputs), target).backward()
+        for g_mine, p in zip(mine, model.parameters()):
+            flat = g_mine.detach().cpu()
+            dist.all_reduce(flat)  # the flat reference, over gloo
+            assert p.grad is not None
+            worst = max(worst, (p.grad.detach().cpu().double() - (flat / world).double()).abs().max().item())
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.05 * p.grad
+                p.grad = None
+    ours.check_consistency()  # every rank holds the same parameters, on either device
+    return {"max_abs_diff": worst, "device": str(device)}

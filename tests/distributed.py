@@ -27,7 +27,14 @@ def free_port() -> int:
 
 
 def _entry(
-    rank: int, world: int, port: int, fn: Callable[..., Any], kwargs: dict, out: str, pg_timeout_s: float
+    rank: int,
+    world: int,
+    port: int,
+    fn: Callable[..., Any],
+    kwargs: dict,
+    out: str,
+    pg_timeout_s: float,
+    backend: str = "gloo",
 ) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
@@ -36,7 +43,7 @@ def _entry(
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world,
@@ -62,6 +69,7 @@ def run_ranks(
     pg_timeout_s: float = 60.0,
     expect_errors: bool = False,
     wait_for: list[int] | None = None,
+    backend: str = "gloo",
     **kwargs: Any,
 ) -> list[dict]:
     """Run fn(rank, world, **kwargs) on `world` processes; return each rank's {"ok": ..} or {"error": ..}.
@@ -73,7 +81,9 @@ def run_ranks(
     port = free_port()
     outs = [tmp / f"rank{r}-{time.monotonic_ns()}.json" for r in range(world)]
     procs = [
-        ctx.Process(target=_entry, args=(r, world, port, fn, kwargs, str(outs[r]), pg_timeout_s), daemon=True)
+        ctx.Process(
+            target=_entry, args=(r, world, port, fn, kwargs, str(outs[r]), pg_timeout_s, backend), daemon=True
+        )
         for r in range(world)
     ]
     for p in procs:

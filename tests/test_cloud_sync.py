@@ -18,6 +18,7 @@ from typing import Any
 
 import dist_cases
 import pytest
+import torch
 from distributed import run_ranks
 
 TOL = 1e-6  # float32; half-precision gradients may differ by one rounding of the sum (see below)
@@ -45,6 +46,9 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("overlap-off", {"model": "tied", "overlap": False, "pack_cap_bytes": 0}),
     ("compiled-inner", {"model": "mlp", "compile_backend": "aot_eager", "pack_cap_bytes": 0}),
     ("compiled-outer", {"model": "mlp", "compile_outer": True, "pack_cap_bytes": 0}),
+    # Ranks of two kinds (gloo groups standing in for CUDA and CPU ranks): within, between, back.
+    ("hierarchical-kinds", {"model": "cnn_bn", "kinds": "halves", "pack_cap_bytes": 0}),
+    ("hierarchical-blockwise", {"model": "tied", "kinds": "halves", "strategy": "blockwise"}),
 ]
 # Where our arithmetic differs from DDP's by design, so bit-exactness is not expected even with 2 ranks.
 NOT_BIT_EXACT = {"several-backwards"}  # we sync each backward: a + avg(b) instead of avg(a + b)
@@ -96,6 +100,19 @@ def test_same_result_as_ddp(ddp_results: tuple[int, dict], case: str) -> None:
     if case == "adaptive":
         # Several plans were run (and switched between) mid-training, and DDP's result still held.
         assert all(res["plans_timed"] >= 2 for res in results[case]), results[case][0]
+
+
+@pytest.mark.parametrize("kinds", ["aabb", "abab", "aaab"])
+def test_a_hierarchy_of_kinds_sums_like_a_flat_all_reduce(tmp_path: Path, kinds: str) -> None:
+    results = run_ranks(dist_cases.hierarchical_against_flat, len(kinds), tmp_path, kinds=kinds)
+    for rank, res in enumerate(results):
+        out = res["ok"]
+        assert out["kinds"] == list(kinds)
+        # One leader per kind crosses the bridge: the lowest rank of each kind.
+        assert out["leads"] == (kinds.index(kinds[rank]) == rank), (rank, out)
+        # Summed in another order: within float32 rounding of the largest sum (4 terms).
+        assert out["max_abs_diff"] <= max(TOL, 4 * torch.finfo(torch.float32).eps * out["scale"]), out
+        assert "compression 'none'" in out["refused"], out["refused"]
 
 
 @pytest.mark.slow

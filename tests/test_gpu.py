@@ -40,3 +40,15 @@ def test_an_edge_on_the_gpu_delivers_every_step_once_through_loss(tmp_path: Path
         scale = float(mass["produced"].abs().max())
         worst = max(worst, float((total - mass["produced"]).abs().max()) / scale)
     assert worst < 1e-5, worst  # what the GPU produced = what the gateway applied + what the edge holds
+
+
+@pytest.mark.slow
+def test_cuda_and_cpu_ranks_average_in_one_job(tmp_path: Path) -> None:
+    """Issue #23's CPU+GPU group: a CUDA rank (NCCL within its kind) and two CPU ranks (gloo)."""
+    import dist_cases
+    from distributed import run_ranks
+
+    results = run_ranks(dist_cases.mixed_devices, 3, tmp_path, backend="cpu:gloo,cuda:nccl")
+    assert [r["ok"]["device"] for r in results] == ["cuda:0", "cpu", "cpu"]
+    for r in results:
+        assert r["ok"]["max_abs_diff"] <= 1e-6, r
