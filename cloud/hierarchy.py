@@ -39,24 +39,24 @@ class Hierarchy:
     kind: str
     kinds: tuple[str, ...]  # every rank's kind, by rank in the job's group
     local: dist.ProcessGroup  # the ranks of this kind, on the kind's backend
-    bridge: dist.ProcessGroup | None  # one leader per kind, on gloo; None where this rank leads none
+    bridge: dist.ProcessGroup | None  # one leader per kind, on gloo; None off the leaders (or one kind)
     leader: int  # the job-group rank of this kind's leader (its lowest rank)
 
     @property
     def leads(self) -> bool:
-        return self.bridge is not None
+        return self.leader == dist.get_rank()
 
     @classmethod
     def of_kinds(
         cls,
         kind: str,
         backends: Mapping[str, str] | None = None,
-        group: dist.ProcessGroup | None = None,
         timeout: timedelta = timedelta(minutes=5),
     ) -> Hierarchy:
-        """Collective over `group`: every rank names its kind; each kind's ranks form a group on
-        `backends[kind]` (gloo when absent), and the kinds' leaders a gloo bridge."""
-        group = group or dist.group.WORLD
+        """Collective over the whole job (`dist.new_group` needs every rank): every rank names its
+        kind; each kind's ranks form a group on `backends[kind]` (gloo when absent), and the kinds'
+        leaders a gloo bridge.  `timeout`: of every wait in these groups."""
+        group = dist.group.WORLD
         encoded = kind.encode()
         if not encoded or len(encoded) > _KIND_BYTES:
             raise ValueError(f"a rank's kind must be 1-{_KIND_BYTES} bytes of UTF-8, got {kind!r}")
@@ -76,26 +76,21 @@ class Hierarchy:
             if k == kind:
                 local = made
         leaders = [ranks_of[k][0] for k in sorted(ranks_of)]
-        bridge = dist.new_group(leaders, timeout=timeout, backend="gloo")
-        me = dist.get_rank()
         assert local is not None
+        # One kind only: its sum is the total, and nothing crosses a bridge.
+        bridge = dist.new_group(leaders, timeout=timeout, backend="gloo") if len(leaders) > 1 else None
         return cls(
             kind=kind,
             kinds=kinds,
             local=local,
-            bridge=bridge if me in leaders else None,
+            bridge=bridge if dist.get_rank() in leaders else None,
             leader=ranks_of[kind][0],
         )
 
     @classmethod
-    def by_device(
-        cls,
-        device: torch.device,
-        group: dist.ProcessGroup | None = None,
-        timeout: timedelta = timedelta(minutes=5),
-    ) -> Hierarchy:
+    def by_device(cls, device: torch.device, timeout: timedelta = timedelta(minutes=5)) -> Hierarchy:
         """Kinds by device type: CUDA ranks reduce on NCCL, CPU ranks on gloo."""
-        return cls.of_kinds(device.type, DEVICE_BACKENDS, group, timeout)
+        return cls.of_kinds(device.type, DEVICE_BACKENDS, timeout)
 
 
 class HierarchicalSum(Compressor):
@@ -122,6 +117,7 @@ class HierarchicalSum(Compressor):
         self.staging = (
             torch.empty(numel, dtype=dtype) if self.bridge is not None and device.type != "cpu" else None
         )
+        self.single_kind = len(set(hierarchy.kinds)) == 1  # the kind's sum is the total
         self._flat: torch.Tensor | None = None
         self._work: dist.Work | None = None
         self._within_done = False
@@ -150,7 +146,8 @@ class HierarchicalSum(Compressor):
             self.bridge.wait(self._work, "all-reduce between kinds")
             if self.staging is not None:
                 flat.copy_(self.staging)
-        self.local.wait(self.local.broadcast(flat, self.hierarchy.leader), "broadcast within its kind")
+        if not self.single_kind:
+            self.local.wait(self.local.broadcast(flat, self.hierarchy.leader), "broadcast within its kind")
         self._flat = None
         self._work = None
         self._within_done = False

@@ -358,6 +358,12 @@ class LayerwiseDDP(nn.Module):
         self.check_every = check_every
         self.replan_every = replan_every
         self.process_group = process_group or dist.group.WORLD
+        if hierarchy is not None and len(hierarchy.kinds) != dist.get_world_size(self.process_group):
+            raise ValueError(
+                f"the hierarchy spans {len(hierarchy.kinds)} ranks (the whole job) but this "
+                f"LayerwiseDDP's process group has {dist.get_world_size(self.process_group)}: use it "
+                "over the whole job"
+            )
         self.hierarchy = hierarchy
         self.rank = dist.get_rank(self.process_group)
         self.world_size = dist.get_world_size(self.process_group)
@@ -488,10 +494,10 @@ class LayerwiseDDP(nn.Module):
         with torch.no_grad():
             for flat, group in plan:
                 if self.rank == 0:
-                    if flat.device == group[0].device:
+                    if all(t.device == flat.device for t in group):
                         torch.cat([t.reshape(-1) for t in group], out=flat)
                     else:
-                        flat.copy_(torch.cat([t.reshape(-1) for t in group]))
+                        flat.copy_(torch.cat([t.reshape(-1).to(flat.device) for t in group]))
                 dist.broadcast(flat, src=self._src, group=self.process_group)
                 if self.rank != 0:
                     offset = 0
@@ -586,9 +592,11 @@ class LayerwiseDDP(nn.Module):
 def _coalesce(
     tensors: Sequence[torch.Tensor], on_host: bool = False
 ) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
-    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    # Staged through host memory, tensors group by dtype alone: ranks on different devices must
+    # make the same broadcasts.
+    by_kind: dict[tuple[torch.dtype, torch.device | None], list[torch.Tensor]] = {}
     for t in tensors:
-        by_kind.setdefault((t.dtype, t.device), []).append(t.detach())
+        by_kind.setdefault((t.dtype, None if on_host else t.device), []).append(t.detach())
     return [
         (
             torch.empty(

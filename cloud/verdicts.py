@@ -89,12 +89,15 @@ def avoidable_staleness(
     versions published since it started are the link's doing, not the edge's, and dropping its
     work for them would stall a fleet whose downloads take longer than `max_staleness` rounds.
     Those pushes are still weighed by their whole staleness.  An edge that stopped downloading
-    (FETCH_GRACE_S) is judged against the newest version, and nothing is admitted beyond
+    (FETCH_GRACE_S), or whose last fetch is the model it trains from (an edge fetches a model only
+    when it will adopt one), is judged against the newest version, and nothing is admitted beyond
     HARD_STALENESS_FACTOR x max_staleness whatever the link.
     """
     whole = max(0, newest - base_version)
     if now - state.fetched_at > FETCH_GRACE_S or state.fetching >= newest:
         return whole
+    if state.fetching <= base_version:
+        return whole  # it fetched what it trains from and nothing newer since: not mid-download
     if not weighting.admit(whole // HARD_STALENESS_FACTOR):
         return whole
     return max(0, state.fetching - base_version)

@@ -427,6 +427,10 @@ class EdgeSession:
             times.append(self._link_ready_at)
         if self.download.active and self.loses_messages:
             times.append(now + self.resend_s)
+        elif not self.download.active and self.announced > self.have_version:
+            due = self._fetch_due_at()
+            if due is not None:  # a model to fetch once it would otherwise arrive late
+                times.append(max(now, due))
         return min(times)
 
     # ---------------------------------------------------------------- connection
@@ -507,6 +511,10 @@ class EdgeSession:
         if produced > self._steps_seen:
             if self._steps_seen_at is not None:
                 interval = (now - self._steps_seen_at) / (produced - self._steps_seen)
+                if self._step_s is not None:
+                    # A pause (thermal, an evaluation, a checkpoint) is not a slow step: it would
+                    # read as seconds per step, and fetches planned with it would come late.
+                    interval = min(interval, 2.0 * self._step_s)
                 self._step_s = interval if self._step_s is None else 0.8 * self._step_s + 0.2 * interval
             self._steps_seen, self._steps_seen_at = produced, now
 
@@ -959,13 +967,19 @@ class EdgeSession:
         """Whether a download started now is needed before training adopts: it would take about
         as long as the last one (twice that, for a patch spanning more versions and for a slower
         link) and training adopts after the steps it said, at the measured time per step."""
+        due = self._fetch_due_at()
+        return due is None or now >= due
+
+    def _fetch_due_at(self) -> float | None:
+        """When a download must start to arrive before training adopts (None: at once, nothing
+        to plan with)."""
         with self._lock:
             adoption = self._adoption
         took = self.download.last_fetch_s
         if adoption is None or self._step_s is None or took is None:
-            return True  # nothing to plan with: fetch as soon as announced
+            return None
         steps, said_at = adoption
-        return said_at + steps * self._step_s - now <= 2.0 * took + self._step_s
+        return said_at + steps * self._step_s - 2.0 * took - self._step_s
 
     def _on_chunk(self, msg: ModelChunk, now: float) -> None:
         restarts = self.download.stats.restarts + self.download.stats.corrupt

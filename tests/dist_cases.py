@@ -633,6 +633,8 @@ def mixed_devices(rank: int, world: int, steps: int = 3, gpu: bool = True) -> di
     torch.manual_seed(1000 + rank)
     model = MLP().to(device)
     ours = LayerwiseDDP(model, hierarchy=Hierarchy.by_device(device), pack_cap_bytes=0)
+    # The optimizer users run: on CUDA and on the CPU its kernels differ, and replicas must not drift.
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     worst = 0.0
     for step in range(steps):
         inputs, target = _batch("mlp", rank, step)
@@ -645,9 +647,7 @@ def mixed_devices(rank: int, world: int, steps: int = 3, gpu: bool = True) -> di
             dist.all_reduce(flat)  # the flat reference, over gloo
             assert p.grad is not None
             worst = max(worst, (p.grad.detach().cpu().double() - (flat / world).double()).abs().max().item())
-        with torch.no_grad():
-            for p in model.parameters():
-                p -= 0.05 * p.grad
-                p.grad = None
+        optimizer.step()
+        optimizer.zero_grad()
     ours.check_consistency()  # every rank holds the same parameters, on either device
     return {"max_abs_diff": worst, "device": str(device)}

@@ -115,6 +115,13 @@ def test_a_hierarchy_of_kinds_sums_like_a_flat_all_reduce(tmp_path: Path, kinds:
         assert "compression 'none'" in out["refused"], out["refused"]
 
 
+def test_a_hierarchy_of_one_kind_trains_like_a_flat_one(tmp_path: Path) -> None:
+    # The path a job mixing devices takes (staged broadcasts, the consistency check on the host),
+    # with every rank on the CPU: tests/test_gpu.py runs it with a CUDA rank.
+    results = run_ranks(dist_cases.mixed_devices, 3, tmp_path, gpu=False)
+    assert all(r["ok"]["max_abs_diff"] <= TOL for r in results), results
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("world", "how"), [(2, "die"), (3, "die"), (2, "hang")])
 def test_failed_rank_raises_naming_the_layer(tmp_path: Path, world: int, how: str) -> None:

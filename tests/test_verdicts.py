@@ -70,6 +70,10 @@ def test_staleness_is_judged_by_what_the_edge_could_have_avoided() -> None:
         )
         == 8
     )
+    # ... nor when what it fetched last is the model it trains from (it fetches only when it will
+    # adopt: the versions since are its choice, not its link's).
+    state.fetching, state.fetched_at = 2, 99.0
+    assert verdicts.avoidable_staleness(state, base_version=2, newest=10, weighting=weighting, now=100.0) == 8
     # ... and never beyond HARD_STALENESS_FACTOR x max_staleness.
     state.fetching, state.fetched_at = 99, 99.0
     far = verdicts.avoidable_staleness(state, base_version=0, newest=100, weighting=weighting, now=100.0)
