@@ -160,7 +160,7 @@ class GatewaySettings:
     checkpoint_dir: str = setting(
         ".elasticfed/gateway",
         "checkpoint gateway state here and resume from the newest good checkpoint (empty: off, and "
-        "nothing is ever durable)",
+        "nothing is ever durable; hybrid mode: the job's checkpoints, unless --train-checkpoint-dir)",
     )
     checkpoint_every_rounds: int = setting(10, "rounds between checkpoints (and one at a clean stop)", min=1)
     checkpoint_keep: int = setting(3, "checkpoints kept; older ones are deleted", min=1)
@@ -207,7 +207,8 @@ class TrainSettings:
     checkpoint_dir: str = setting(
         "",
         "checkpoint after every epoch and resume from the newest good checkpoint, so that torchrun "
-        "--max-restarts restarts continue (shared by all nodes; empty: off)",
+        "--max-restarts restarts continue (shared by all nodes; empty: off; hybrid mode: the job's "
+        "checkpoints, cloud model and gateway state together, at the gateway's cadence)",
     )
     checkpoint_keep: int = setting(2, "checkpoints kept; older ones are deleted", min=1)
     shard: str = setting(

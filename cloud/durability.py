@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -67,10 +67,54 @@ class GatewayState:
     lineage: dict[str, int]  # instance -> the newest checkpoint it wrote, that this descends from
     applied_steps: dict[str, dict[str, int]]  # client -> layer -> step-gradients applied (audit)
     ema: tuple[dict[str, torch.Tensor], int] | None = None  # (average, versions folded); None: none
+    # The version edges were served (None: `version`).  Differs in hybrid mode, where `version`
+    # counts rounds and the trainer's publishes number what edges download (cloud/hybrid.py).
+    served_version: int | None = None
+
+
+class Durability(Protocol):
+    """Where a gateway's state goes: standalone, its own files (`GatewayCheckpoints`); hybrid, the
+    job's checkpoints, which the trainer writes at its next step (cloud/hybrid_checkpoints.py).
+
+    The gateway hands over a state (`save`) and tells edges a push is durable once
+    `durable_epoch` reaches the epoch its ack named: at once when `save` writes, later otherwise.
+    """
+
+    durable_epoch: int  # the newest checkpoint on disk
+    saved_version: int  # the gateway version of the newest state handed over (-1: none)
+
+    def due_after_round(self, closed_round: int) -> bool: ...
+
+    def due_when_idle(self, version: int, now: float, last_close: float) -> bool: ...
+
+    def save(self, state: GatewayState) -> None: ...
+
+    def restore(self, manifest: str, adopt: Callable[[GatewayState], None]) -> Path | None: ...
+
+    def close(self) -> None: ...
+
+
+class RoundCadence:
+    """When a gateway's state is due: every `every_rounds` rounds, after `every_s`, or when idle."""
+
+    every_rounds: int
+    every_s: float
+    idle_s: float
+    last_saved_at: float
+    saved_version: int
+
+    def due_after_round(self, closed_round: int) -> bool:
+        """Whether the round just closed is to be saved: every `every_rounds`, or `every_s` passed."""
+        due = self.every_s > 0 and time.monotonic() - self.last_saved_at >= self.every_s
+        return due or closed_round % self.every_rounds == 0
+
+    def due_when_idle(self, version: int, now: float, last_close: float) -> bool:
+        """Between rounds: whether unsaved rounds are to be saved because none closed for `idle_s`."""
+        return self.saved_version != version and now - last_close >= self.idle_s
 
 
 @dataclass
-class GatewayCheckpoints:
+class GatewayCheckpoints(RoundCadence):
     """Where and how often the gateway checkpoints (every `every_rounds` rounds, and at a clean stop)."""
 
     directory: str
@@ -86,6 +130,7 @@ class GatewayCheckpoints:
     skipped: list[tuple[Path, str]] = field(default_factory=list, init=False)
     last_saved_at: float = field(default_factory=time.monotonic, init=False)
     saved_version: int = field(default=-1, init=False)  # model version of the newest checkpoint
+    durable_epoch: int = field(default=0, init=False)  # number of the newest checkpoint on disk
 
     def __post_init__(self) -> None:
         if self.every_rounds < 1 or self.keep < 1 or self.lineage_max < 1:
@@ -99,23 +144,18 @@ class GatewayCheckpoints:
             )
         self.store = CheckpointStore(self.directory, KIND, keep=self.keep, exclusive=True)
 
-    def due_after_round(self, closed_round: int) -> bool:
-        """Whether the round just closed is to be saved: every `every_rounds`, or `every_s` passed."""
-        due = self.every_s > 0 and time.monotonic() - self.last_saved_at >= self.every_s
-        return due or closed_round % self.every_rounds == 0
-
-    def due_when_idle(self, version: int, now: float, last_close: float) -> bool:
-        """Between rounds: whether unsaved rounds are to be saved because none closed for `idle_s`."""
-        return self.saved_version != version and now - last_close >= self.idle_s
-
-    def save(self, state: GatewayState) -> Path:
+    def save(self, state: GatewayState) -> None:
         """Write `state`; once this returns it is on disk (the caller tells the edges: the commit)."""
         tensors, meta = encode(state, self.lineage_max)
         self.last_saved = self.store.save(state.version, tensors, meta)
         self.last_saved_at = time.monotonic()
         self.saved_version = state.version
+        self.durable_epoch = state.epoch
         log.debug("checkpoint %d: %s (version %d)", state.epoch, self.last_saved, state.version)
-        return self.last_saved
+
+    def close(self) -> None:
+        """Let another gateway use the directory (as process exit does)."""
+        self.store.close()
 
     def restore(self, manifest: str, adopt: Callable[[GatewayState], None]) -> Path | None:
         """Hand the newest checkpoint of the model whose manifest digest is `manifest`, that decodes
@@ -138,6 +178,7 @@ class GatewayCheckpoints:
                 log.warning("skipped checkpoint %s: %s", path, exc)
                 continue
             self.saved_version = state.version
+            self.durable_epoch = state.epoch
             log.info(
                 "resumed from %s (checkpoint %d, model version %d, round %d)",
                 path,
@@ -180,6 +221,8 @@ def encode(state: GatewayState, lineage_max: int = 1024) -> tuple[dict[str, torc
         "applied_steps": {cid: dict(by_layer) for cid, by_layer in state.applied_steps.items()},
         "ema_count": ema_count,  # None: no average saved (tensors under EMA_PREFIX otherwise)
     }
+    if state.served_version is not None:
+        meta["served_version"] = state.served_version
     return tensors, meta
 
 
@@ -219,4 +262,5 @@ def decode(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> GatewaySta
             for cid, by_layer in meta["applied_steps"].items()
         },
         ema=ema,
+        served_version=int(meta["served_version"]) if meta.get("served_version") is not None else None,
     )

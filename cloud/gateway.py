@@ -58,7 +58,7 @@ from elasticfed.cloud.aggregation import (
 from elasticfed.cloud.clients import ClientState
 from elasticfed.cloud.config import GatewaySettings
 from elasticfed.cloud.delivery import DeliveryPace
-from elasticfed.cloud.durability import GatewayCheckpoints, GatewayState
+from elasticfed.cloud.durability import Durability, GatewayState
 from elasticfed.cloud.ema import ModelEma, accumulator_dtype
 from elasticfed.cloud.publication import PublicModel, downlink_ratio
 from elasticfed.cloud.verdicts import NORM_POLICIES, Verdict
@@ -389,7 +389,7 @@ class Gateway:
         lr_factor: Callable[[int], float] | None = None,
         admission: CurveAdmission | None = None,
         aggregation: Aggregation | None = None,
-        checkpoints: GatewayCheckpoints | None = None,
+        checkpoints: Durability | None = None,
         update: ModelUpdate | None = None,
         watch: LossWatch | None = None,
         ema: ModelEma | None = None,
@@ -459,6 +459,10 @@ class Gateway:
         # for each instance the checkpoints we descend from were written by, the newest it wrote
         # (what a restarted edge's held acknowledgements are judged against).
         self.durable_epoch = 0
+        # The newest epoch whose state went to `checkpoints.save`: acks name the one after it.  The
+        # same as durable_epoch standalone (save writes); ahead of it in hybrid mode until the
+        # trainer has written the state (cloud/hybrid_checkpoints.py).
+        self._taken_epoch = 0
         self.lineage: dict[str, int] = {}
         # Step-gradients applied per client and layer, over the whole checkpointed history (audit).
         self.applied_steps: dict[str, list[int]] = {}
@@ -547,6 +551,8 @@ class Gateway:
             and self.checkpoints.due_when_idle(self.version, self.clock(), self._last_close)
         ):
             self.checkpoint()
+        if self.checkpoints is not None:
+            self._commit()
 
     def close(self, linger_s: float = 1.0) -> None:
         """Stop serving; replies already queued (the last round's acks) get `linger_s` to leave.
@@ -560,7 +566,7 @@ class Gateway:
                     self.close_round()
                 if self.checkpoints.saved_version != self.version:
                     self.checkpoint()
-            self.checkpoints.store.close()
+            self.checkpoints.close()
         if self.link is not None and self._bound_link:
             self.link.close(linger_s)
             self._bound_link = False
@@ -1002,7 +1008,7 @@ class Gateway:
 
     def _epoch(self) -> int:
         """The number of the checkpoint that will hold what is applied now (0: no checkpoints)."""
-        return self.durable_epoch + 1 if self.checkpoints is not None else 0
+        return self._taken_epoch + 1 if self.checkpoints is not None else 0
 
     # ---------------------------------------------------------------- durability
     def state(self) -> GatewayState:
@@ -1011,7 +1017,7 @@ class Gateway:
         optimizer_tensors, optimizer_meta = (
             optimizer_state_tensors(self.optimizer) if self.optimizer is not None else ({}, {})
         )
-        epoch = self.durable_epoch + 1
+        epoch = self._taken_epoch + 1
         ema = None
         if self.ema is not None and self.ema.tensors:
             ema = (self.averaged(), self.ema.count)
@@ -1030,6 +1036,7 @@ class Gateway:
                 for cid, counts in self.applied_steps.items()
             },
             ema=ema,
+            served_version=self.served_version,
         )
 
     def checkpoint(self) -> None:
@@ -1037,9 +1044,18 @@ class Gateway:
         assert self.checkpoints is not None
         state = self.state()
         self.checkpoints.save(state)
-        self.durable_epoch = state.epoch
-        self.lineage[self.gateway_id] = state.epoch
-        commit = Commit(durable_epoch=state.epoch, gateway_id=self.gateway_id)
+        self._taken_epoch = state.epoch
+        self._commit()
+
+    def _commit(self) -> None:
+        """Tell every connected edge what is on disk now, if more than they were told."""
+        assert self.checkpoints is not None
+        epoch = self.checkpoints.durable_epoch
+        if epoch <= self.durable_epoch:
+            return
+        self.durable_epoch = epoch
+        self.lineage[self.gateway_id] = epoch
+        commit = Commit(durable_epoch=epoch, gateway_id=self.gateway_id)
         for route in list(self.routes):
             self._reply(route, commit)
 
@@ -1087,7 +1103,7 @@ class Gateway:
         if self.ema is not None:
             saved, count = state.ema if state.ema is not None else ({}, 0)
             self.ema.load(saved, count)
-        self.durable_epoch = state.epoch
+        self.durable_epoch = self._taken_epoch = state.epoch
         self.lineage = dict(state.lineage)
         self.applied_steps = {}
         for cid, by_layer in state.applied_steps.items():
@@ -1099,8 +1115,9 @@ class Gateway:
         self.clients = state.clients
         self.routes = {}
         self._served.clear()
-        self._published = self._serve(state.version)
-        self.metrics.version.set(value=state.version)
+        served = state.version if state.served_version is None else state.served_version
+        self._published = self._serve(served)
+        self.metrics.version.set(value=served)
         self.metrics.clients.set(value=len(state.clients))
 
     @property

@@ -35,6 +35,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,9 @@ from torch import nn
 
 from elasticfed.cloud.gateway import Gateway
 from elasticfed.common.metrics import Metrics
+
+if TYPE_CHECKING:
+    from elasticfed.cloud.hybrid_checkpoints import HybridCheckpoints
 
 log = logging.getLogger("elasticfed.hybrid")
 
@@ -53,6 +57,18 @@ class EdgeRound:
     numbers: list[int]  # gateway round numbers (more than one when rounds were merged)
     averages: list[torch.Tensor | None]
     layer_steps: list[int]
+    # A checkpoint's state covers the rounds up to this one: no later round may merge into it
+    # (cloud/hybrid_checkpoints.py).
+    sealed: bool = False
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where the training loop is, at a step boundary: what a checkpoint resumes from."""
+
+    epoch: int  # epochs finished
+    batches: int  # batches of the epoch under way already taken
+    steps: int  # steps taken in all
 
 
 class EdgeRounds:
@@ -79,6 +95,9 @@ class EdgeRounds:
                 self._queue.append(EdgeRound([round_number], list(averages), list(layer_steps)))
                 return
             last = self._queue[-1]
+            if last.sealed:  # over the bound until the checkpoint is cut (one per cut at most)
+                self._queue.append(EdgeRound([round_number], list(averages), list(layer_steps)))
+                return
             self.merged += 1
             last.numbers.append(round_number)
             for i, avg in enumerate(averages):
@@ -89,6 +108,27 @@ class EdgeRounds:
     def take(self) -> EdgeRound | None:
         with self._lock:
             return self._queue.popleft() if self._queue else None
+
+    def seal(self) -> None:
+        """No later round merges into those queued now (a checkpoint covers them, not later ones)."""
+        with self._lock:
+            if self._queue:
+                self._queue[-1].sealed = True
+
+    def covered(self, last_round: int) -> list[EdgeRound]:
+        """The queued rounds numbered up to `last_round`, oldest first (they are not taken), their
+        seals lifted: what a checkpoint cut now holds besides the model.  A later request's seal
+        stays until its own cut."""
+        with self._lock:
+            out = [r for r in self._queue if max(r.numbers) <= last_round]
+            for r in out:
+                r.sealed = False
+            return out
+
+    def restore(self, rounds: Sequence[EdgeRound]) -> None:
+        """Queue a checkpoint's unmixed rounds ahead of any new one (at a start, before serving)."""
+        with self._lock:
+            self._queue.extendleft(reversed(list(rounds)))
 
     def __len__(self) -> int:
         with self._lock:
@@ -120,9 +160,10 @@ class EdgeMixing:
     """Runs on every cloud rank inside the training loop; rank 0 also drives the gateway.
 
     The loop calls `begin_step()` (None: stop), `seed_gradients()` between
-    zero_grad and backward, and `end_step(planned_done)` after the optimizer
+    zero_grad and backward, and `end_step(planned_done, position)` after the optimizer
     step.  Every rank must call them at every step: they carry the control
-    broadcast.
+    broadcast.  With `checkpoints`, rank 0 cuts the checkpoint the gateway asked for at the
+    end of a step, before it takes the next round (cloud/hybrid_checkpoints.py).
     """
 
     def __init__(
@@ -136,6 +177,8 @@ class EdgeMixing:
         publish_every_s: float = 5.0,
         idle_s: float = 2.0,
         drain_s: float = 30.0,
+        checkpoints: HybridCheckpoints | None = None,
+        counts: MixingCounts | None = None,
     ) -> None:
         if not 0.0 <= weight <= 1.0:
             raise ValueError(f"edge weight {weight} is not between 0 and 1")
@@ -152,7 +195,9 @@ class EdgeMixing:
         self.publish_every_s = publish_every_s
         self.idle_s = idle_s
         self.drain_s = drain_s
-        self.counts = MixingCounts(steps_by_layer=[0] * len(self.params))
+        self.checkpoints = checkpoints if self.rank == 0 else None
+        # Resumed: what the checkpointed history mixed (the audit spans restarts).
+        self.counts = counts or MixingCounts(steps_by_layer=[0] * len(self.params))
         self.metrics = HybridMetrics()
         self._names = gateway.names if gateway is not None else []
         self.stop_requested = threading.Event()  # rank 0's SIGTERM
@@ -200,7 +245,7 @@ class EdgeMixing:
                 if avg is not None:
                     param.grad = (avg.to(param.device, param.dtype) * scale).view_as(param)
 
-    def end_step(self, planned_done: bool) -> None:
+    def end_step(self, planned_done: bool, position: Position | None = None) -> None:
         """Count what was mixed, publish the model, and tell every rank what the next step does."""
         self.metrics.cloud_steps.inc()
         if self._mix:
@@ -226,6 +271,10 @@ class EdgeMixing:
         if not self._gateway_stopped and self._should_stop_gateway(now):
             self._stop_gateway()
         assert self.rounds is not None
+        if self.checkpoints is not None and position is not None:
+            # Here, between the model taking in every round taken so far and the next take: the
+            # only point where the model, the queue and the gateway's verdicts can agree.
+            self.checkpoints.cut(position, self.counts, self._version)
         self._next = self.rounds.take()
         self.metrics.queued.set(value=len(self.rounds))
         stop = self._gateway_stopped and self._next is None

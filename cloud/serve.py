@@ -43,10 +43,11 @@ from elasticfed.cloud.aggregation import (
 )
 from elasticfed.cloud.collectives import CollectiveError
 from elasticfed.cloud.config import CloudConfig, contradictions
-from elasticfed.cloud.durability import GatewayCheckpoints
+from elasticfed.cloud.durability import Durability, GatewayCheckpoints
 from elasticfed.cloud.ema import ModelEma
 from elasticfed.cloud.gateway import Gateway, GatewayDiverged, GatewayOptions, ModelUpdate, RoundSummary
 from elasticfed.cloud.hybrid import EdgeMixing, EdgeRounds
+from elasticfed.cloud.hybrid_checkpoints import HybridCheckpoints
 from elasticfed.cloud.layerwise import DivergenceError
 from elasticfed.cloud.server_optimizers import default_lr, server_optimizer
 from elasticfed.cloud.train import (
@@ -99,7 +100,7 @@ def build_gateway(
     task: Task,
     on_round: Callable[[RoundSummary], None] | None = None,
     admission: CurveAdmission | None = None,
-    checkpoints: GatewayCheckpoints | None = None,
+    checkpoints: Durability | None = None,
     model: torch.nn.Module | None = None,
     update: ModelUpdate | None = None,
     link: Link | None = None,
@@ -216,7 +217,9 @@ def gateway_summary(gateway: Gateway, admission: CurveAdmission | None) -> dict[
 CONNECTED_WITHIN_S = 10.0
 
 
-def gateway_gauges(gateway: Gateway, checkpoints: GatewayCheckpoints | None) -> list[ExtraGauge]:
+def gateway_gauges(
+    gateway: Gateway, checkpoints: GatewayCheckpoints | HybridCheckpoints | None
+) -> list[ExtraGauge]:
     """Gauges computed when Prometheus scrapes: connected devices, checkpoint age."""
 
     def connected() -> float:
@@ -391,12 +394,16 @@ def run_hybrid(config: CloudConfig) -> int:
             admission = load_admission(config)
         except KeyFileError as exc:
             return fail("cloud serve", f"{exc}")
-        if config.gateway.checkpoint_dir:
-            log.warning(
-                "hybrid mode: the gateway does not checkpoint (--gateway-checkpoint-dir is for "
-                "standalone mode); the cloud model is checkpointed with --train-checkpoint-dir, and "
-                "edges are not told anything is durable"
-            )
+    # The job's checkpoints: the cloud model, the gateway's state and the unmixed rounds in one file.
+    # --train-checkpoint-dir when given (storage every node shares), else the gateway's directory
+    # (on by default, as standalone: one node needs nothing shared).
+    directory = config.train.checkpoint_dir or config.gateway.checkpoint_dir
+    if rank_name == "0" and not directory:
+        log.warning(
+            "no --train-checkpoint-dir or --gateway-checkpoint-dir: acknowledged edge contributions and "
+            "the cloud model live in memory only and a crash loses them; edges are not told anything "
+            "is durable"
+        )
     device, launched = join_process_group(backend, config.sync.timeout_s)
     if not launched:
         log.warning(
@@ -414,9 +421,34 @@ def run_hybrid(config: CloudConfig) -> int:
     rounds = None
     stop_gateway = threading.Event()
     thread = None
+    checkpoints = None
+    resumed = None
+    g = config.gateway
+    try:
+        if directory:
+            checkpoints = HybridCheckpoints(
+                directory,
+                task.name,
+                keep=config.train.checkpoint_keep,
+                every_rounds=g.checkpoint_every_rounds,
+                every_s=g.checkpoint_every_s,
+            )
+            resumed = checkpoints.load(module, device)
+        if rank == 0:
+            rounds = EdgeRounds(max_queued=config.hybrid.max_queued_rounds)
+            gateway = build_gateway(
+                config, task, round_logger(admission), admission, checkpoints, model=module, update=rounds
+            )
+            if checkpoints is not None:
+                checkpoints.rounds = rounds
+                if gateway.restore() is not None:
+                    checkpoints.queue_pending(rounds, gateway.params)
+    except (CheckpointError, OSError) as exc:
+        dist.destroy_process_group()
+        flag = "--train-checkpoint-dir" if config.train.checkpoint_dir else "--gateway-checkpoint-dir"
+        return fail("cloud serve", f"{flag}: {exc}")
     if rank == 0:
-        rounds = EdgeRounds(max_queued=config.hybrid.max_queued_rounds)
-        gateway = build_gateway(config, task, round_logger(admission), admission, model=module, update=rounds)
+        assert gateway is not None
         try:
             endpoint = gateway.bind()  # here, so a taken port fails the job at once
         except Exception as exc:  # zmq.ZMQError and friends: say which endpoint
@@ -434,6 +466,9 @@ def run_hybrid(config: CloudConfig) -> int:
             "gateway_id": gateway.gateway_id,
             "world_size": dist.get_world_size(),
             "backend": backend,
+            "pid": os.getpid(),  # rank 0's process, not torchrun's: what a chaos test kills
+            "durable_epoch": gateway.durable_epoch if checkpoints is not None else None,
+            "resumed_from": str(resumed.path) if resumed is not None else None,
         }
         print(json.dumps(ready), flush=True)
 
@@ -445,6 +480,8 @@ def run_hybrid(config: CloudConfig) -> int:
             thread.join(GATEWAY_JOIN_S)
             if thread.is_alive():
                 log.error("the gateway thread did not stop within %.0f s", GATEWAY_JOIN_S)
+        if checkpoints is not None:
+            checkpoints.finish()
         dist.destroy_process_group()
         return code
 
@@ -461,6 +498,8 @@ def run_hybrid(config: CloudConfig) -> int:
         publish_every_s=config.hybrid.publish_every_s,
         idle_s=config.hybrid.idle_s,
         drain_s=config.hybrid.drain_s,
+        checkpoints=checkpoints,
+        counts=resumed.counts if resumed is not None else None,
     )
     metrics = None
     if gateway is not None:
@@ -469,7 +508,7 @@ def run_hybrid(config: CloudConfig) -> int:
                 config.metrics_bind,
                 gateway.metrics.registry,
                 mixing.metrics.registry,
-                extra=gateway_gauges(gateway, None),
+                extra=gateway_gauges(gateway, checkpoints),
             )
         except OSError as exc:
             print(
@@ -485,7 +524,10 @@ def run_hybrid(config: CloudConfig) -> int:
         sig: signal.signal(sig, lambda *_: stop_requested.set()) for sig in (signal.SIGTERM, signal.SIGINT)
     }
     try:
-        result = train(task, config.sync, config.train, device, module=module, mixing=mixing, data=data)
+        result = train(
+            task, config.sync, config.train, device, module=module, mixing=mixing, data=data,
+            checkpoints=checkpoints,
+        )  # fmt: skip
     except (CollectiveError, DivergenceError) as exc:
         log.error("%s", exc)
         return leave(EXIT_SYNC_FAILED)

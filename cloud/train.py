@@ -17,21 +17,23 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import logging
 import os
 import socket
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from elasticfed.cloud.collectives import CollectiveError
 from elasticfed.cloud.config import CloudConfig, SyncSettings, TrainSettings
-from elasticfed.cloud.hybrid import EdgeMixing
+from elasticfed.cloud.hybrid import EdgeMixing, Position
 from elasticfed.cloud.layerwise import DivergenceError, LayerwiseDDP
 from elasticfed.common.checkpoint import (
     CheckpointError,
@@ -108,7 +110,7 @@ class TrainCheckpoints:
         self.task = task.name
         self.metric = task.metric
 
-    def save(
+    def epoch_done(
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
@@ -117,6 +119,7 @@ class TrainCheckpoints:
         steps: int,
         score: float,
     ) -> None:
+        """Rank 0 saves the job as it stands after `epoch` epochs."""
         if self.rank != 0:
             return
         tensors = {self.MODEL + k: v for k, v in model.state_dict().items()}
@@ -139,8 +142,8 @@ class TrainCheckpoints:
         optimizer: torch.optim.Optimizer,
         schedule: torch.optim.lr_scheduler.LRScheduler,
         device: torch.device,
-    ) -> tuple[int, int]:
-        """Load the newest good checkpoint into every rank; (epochs done, steps done), (0, 0) if none.
+    ) -> Position:
+        """Load the newest good checkpoint into every rank; where to go on from (zeros if none).
 
         Raises CheckpointError when the ranks found different checkpoints (storage not shared).
         """
@@ -168,7 +171,7 @@ class TrainCheckpoints:
                 f"{-int(agreed[1])}) in {self.store.directory}: it must be storage shared by every node"
             )
         if found is None:
-            return 0, 0
+            return Position(0, 0, 0)
         path, tensors, meta = found
         with torch.no_grad():
             model.load_state_dict(
@@ -180,7 +183,44 @@ class TrainCheckpoints:
         schedule.load_state_dict(state)
         if self.rank == 0:
             log.info("resumed from %s: %d epochs and %d steps done", path, epoch, int(meta["steps"]))
-        return epoch, int(meta["steps"])
+        return Position(epoch, 0, int(meta["steps"]))
+
+
+class EpochCheckpoints(Protocol):
+    """What the training loop needs of checkpoints: TrainCheckpoints, or hybrid mode's
+    (cloud/hybrid_checkpoints.py), which also resume in the middle of an epoch."""
+
+    def resume(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        schedule: torch.optim.lr_scheduler.LRScheduler,
+        device: torch.device,
+    ) -> Position: ...
+
+    def epoch_done(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        schedule: torch.optim.lr_scheduler.LRScheduler,
+        epoch: int,
+        steps: int,
+        score: float,
+    ) -> None: ...
+
+
+class _Resumable(Sampler[int]):
+    """A DistributedSampler that can start an epoch past its first `skip` examples (a resume)."""
+
+    def __init__(self, inner: DistributedSampler) -> None:
+        self.inner = inner
+        self.skip = 0
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(iter(self.inner), self.skip, None)
+
+    def __len__(self) -> int:
+        return max(0, len(self.inner) - self.skip)
 
 
 def train(
@@ -191,6 +231,7 @@ def train(
     module: torch.nn.Module | None = None,
     mixing: EdgeMixing | None = None,
     data: Dataset | None = None,
+    checkpoints: EpochCheckpoints | None = None,
 ) -> TrainResult:
     """Train `task` on this rank's shard; every rank returns the same test figure (rank 0 evaluates).
 
@@ -207,7 +248,8 @@ def train(
     batch_size = settings.batch_size or task.batch_size
     data = task.train_set() if data is None else data
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=settings.seed)
-    loader = DataLoader(data, batch_size=batch_size, sampler=sampler, drop_last=True)
+    resumable = _Resumable(sampler)
+    loader = DataLoader(data, batch_size=batch_size, sampler=resumable, drop_last=True)
     if len(loader) == 0:
         raise TaskError(
             f"task {task.name}: this rank's part of the data ({len(sampler)} examples) is smaller than one "
@@ -220,12 +262,13 @@ def train(
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(
         optimizer, T_max=planned_steps, eta_min=0.05 * lr if mixing is not None else 0.0
     )
-    checkpoints = (
-        TrainCheckpoints(settings.checkpoint_dir, settings.checkpoint_keep, task)
-        if settings.checkpoint_dir
-        else None
-    )
-    first_epoch, steps = checkpoints.resume(module, optimizer, schedule, device) if checkpoints else (0, 0)
+    if checkpoints is None and settings.checkpoint_dir:
+        checkpoints = TrainCheckpoints(settings.checkpoint_dir, settings.checkpoint_keep, task)
+    at = checkpoints.resume(module, optimizer, schedule, device) if checkpoints else Position(0, 0, 0)
+    batches_per_epoch = len(loader)
+    first_epoch, steps = at.epoch, at.steps
+    if at.batches >= batches_per_epoch:  # stopped after an epoch's last step, before its end
+        first_epoch, at = first_epoch + 1, Position(first_epoch + 1, 0, steps)
     model = wrap(module, sync)  # after the resume: construction broadcasts rank 0's parameters
     test_set = task.test_set()
     started = time.perf_counter()
@@ -238,6 +281,8 @@ def train(
     # Planned epochs; in hybrid mode more (at the last learning rate) until `mixing` says stop.
     while epoch < settings.epochs or (mixing is not None and not stopped):
         sampler.set_epoch(epoch)
+        skipped = at.batches if epoch == at.epoch else 0  # a resume in the middle of this epoch
+        resumable.skip = skipped * batch_size
         total = 0.0
         count = 0
         for x, y in loader:
@@ -259,7 +304,8 @@ def train(
             steps += 1
             bar.update(steps, epoch=epoch + 1, loss=total / count)
             if mixing is not None:
-                mixing.end_step(planned_done=steps >= planned_steps)
+                at_end = Position(epoch, skipped + count, steps)
+                mixing.end_step(planned_done=steps >= planned_steps, position=at_end)
         last_loss = total / max(count, 1) if count else last_loss
         epoch += 1
         if stopped and count == 0:
@@ -279,7 +325,7 @@ def train(
                 model.stats.wire_bytes_last_step / 1024,
             )
         if checkpoints is not None and epoch <= settings.epochs:
-            checkpoints.save(module, optimizer, schedule, epoch, steps, score)
+            checkpoints.epoch_done(module, optimizer, schedule, epoch, steps, score)
     if mixing is not None:
         mixing.finish()
         if sync.check_every:

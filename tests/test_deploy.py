@@ -742,8 +742,8 @@ def test_cloud_config_is_valid_and_points_at_the_mounted_volumes(tmp_path: Path)
     assert Path(_env(worker)["CONFIG"]).parent == Path(_mount(worker, "config")["mountPath"])
     checkpoints = Path(_mount(worker, "checkpoints")["mountPath"])
     assert Path(printed["train"]["checkpoint_dir"]).is_relative_to(checkpoints)
-    # Hybrid mode: the gateway does not checkpoint (cloud/serve.py warns about any gateway
-    # checkpoint_dir); the cloud model's checkpoints are the durable state.
+    # Hybrid mode: the job checkpoints the cloud model and the gateway's state together, to the
+    # training checkpoint directory (shared storage) when one is given (cloud/hybrid_checkpoints.py).
     assert printed["mode"] == "hybrid" and printed["gateway"]["checkpoint_dir"] == ""
     claim = _volume("checkpoints")["persistentVolumeClaim"]["claimName"]
     pvc = _one("PersistentVolumeClaim", claim)
