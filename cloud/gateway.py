@@ -58,7 +58,7 @@ from elasticfed.cloud.aggregation import (
 from elasticfed.cloud.clients import ClientState
 from elasticfed.cloud.config import GatewaySettings
 from elasticfed.cloud.delivery import DeliveryPace
-from elasticfed.cloud.durability import Durability, GatewayState
+from elasticfed.cloud.durability import Durability, GatewayCheckpoints, GatewayState
 from elasticfed.cloud.ema import ModelEma, accumulator_dtype
 from elasticfed.cloud.publication import PublicModel, downlink_ratio
 from elasticfed.cloud.verdicts import NORM_POLICIES, Verdict
@@ -420,10 +420,11 @@ class Gateway:
             if optimizer is None:
                 raise ValueError("a gateway needs an optimizer, or an update policy that owns the model")
             update = OptimizerStep(self.params, optimizer, lr_factor)
-        elif checkpoints is not None:
+        elif isinstance(checkpoints, GatewayCheckpoints):
             raise ValueError(
                 "gateway checkpoints hold the gateway's own model and optimizer; with an update "
-                "policy that owns the model, checkpoint where the model lives"
+                "policy that owns the model, checkpoint where the model lives (hybrid mode: "
+                "cloud/hybrid_checkpoints.py)"
             )
         self.update = update
         self.edge_push = edge_push(optimizer if isinstance(update, OptimizerStep) else None)

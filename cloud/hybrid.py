@@ -35,7 +35,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -43,9 +43,6 @@ from torch import nn
 
 from elasticfed.cloud.gateway import Gateway
 from elasticfed.common.metrics import Metrics
-
-if TYPE_CHECKING:
-    from elasticfed.cloud.hybrid_checkpoints import HybridCheckpoints
 
 log = logging.getLogger("elasticfed.hybrid")
 
@@ -144,6 +141,12 @@ class MixingCounts:
     steps_by_layer: list[int] = field(default_factory=list)
 
 
+class StepCheckpoints(Protocol):
+    """Checkpoints written between steps (cloud/hybrid_checkpoints.py)."""
+
+    def cut(self, position: Position, counts: MixingCounts, served_version: int) -> object: ...
+
+
 class HybridMetrics:
     def __init__(self) -> None:
         m = self.registry = Metrics()
@@ -177,7 +180,7 @@ class EdgeMixing:
         publish_every_s: float = 5.0,
         idle_s: float = 2.0,
         drain_s: float = 30.0,
-        checkpoints: HybridCheckpoints | None = None,
+        checkpoints: StepCheckpoints | None = None,
         counts: MixingCounts | None = None,
     ) -> None:
         if not 0.0 <= weight <= 1.0:

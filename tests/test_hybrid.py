@@ -23,6 +23,7 @@ import pytest
 import torch
 from distributed import run_ranks
 
+from elasticfed.cloud.hybrid import EdgeRounds
 from tests.fleet import Proc, audit, edge, free_port
 
 EDGE_STEPS = 120
@@ -36,7 +37,7 @@ def hybrid_job(port: int, *flags: str) -> Proc:
         "--train-shard", "0/2", "--train-epochs", "30", "--sync-check-every", "1",
         "--gateway-quorum", "2", "--gateway-round-deadline-s", "0.2",
         "--hybrid-wait-for-edges", "2", "--hybrid-wait-s", "60", "--hybrid-idle-s", "1.5",
-        "--gateway-checkpoint-dir", "",  # not durable: the durability tests say where (test_hybrid_durability)
+        "--gateway-checkpoint-dir", "",  # not durable here: test_hybrid_durability.py is
         *flags,
     ]  # fmt: skip
     return Proc(argv, "torchrun")
@@ -251,3 +252,23 @@ def test_after_the_planned_epochs_the_job_drains_while_edges_are_heard_up_to_the
             # Step 3 ends the plan; with nothing queued, its end tells every rank to stop.
             assert res["steps"] == steps and not res["capped"], res
     assert results[0]["digest"] == results[1]["digest"]
+
+
+def test_a_sealed_round_takes_no_later_round_and_a_cut_holds_exactly_the_rounds_its_state_covers() -> None:
+    """The queue's half of the hybrid checkpoint's consistency (cloud/hybrid_checkpoints.py): the
+    gateway's state at round 2's close covers rounds 1-2, so round 3 must not merge into them even
+    when the queue is full, and the cut holds rounds 1-2 and not 3.  Without the seal, round 3
+    merged into round 2's entry, and the cut held neither: round 2, acknowledged, was lost."""
+    rounds = EdgeRounds(max_queued=2)
+    one = [torch.ones(3)]
+    rounds.apply(1, one, [1])
+    rounds.apply(2, one, [1])
+    rounds.seal()  # round 2 closed, its state handed over
+    rounds.apply(3, one, [1])  # the queue is full: unsealed, this would merge into round 2
+    rounds.seal()  # a later state, handed over before the first cut
+    rounds.apply(4, one, [1])
+    assert [r.numbers for r in rounds.covered(2)] == [[1], [2]]
+    assert [r.numbers for r in rounds.covered(3)] == [[1], [2], [3]]  # the later seal held
+    rounds.apply(5, one, [1])  # round 4's entry was never sealed: 5 merges into it
+    assert [r.numbers for r in rounds.covered(5)] == [[1], [2], [3], [4, 5]]
+    assert len(rounds) == 4 and rounds.merged == 1
