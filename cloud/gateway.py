@@ -1020,11 +1020,17 @@ class Gateway:
         )
         epoch = self._taken_epoch + 1
         ema = None
-        if self.ema is not None and self.ema.tensors:
-            ema = (self.averaged(), self.ema.count)
+        if self.ema is not None:
+            with self._ema_lock:  # the average and its count as one (the trainer folds, hybrid)
+                if self.ema.tensors:
+                    ema = ({n: t.clone() for n, t in self.ema.tensors.items()}, self.ema.count)
         return GatewayState(
             manifest=self.manifest.digest,
-            model={n: p.detach().to("cpu") for n, p in zip(self.names, self.params)},
+            # The model is saved by its owner: here, unless an update policy owns it (hybrid: the
+            # trainer, mid-step on another thread; cloud/hybrid_checkpoints.py).
+            model={n: p.detach().to("cpu") for n, p in zip(self.names, self.params)}
+            if self.update.publishes
+            else {},
             optimizer_tensors=optimizer_tensors,
             optimizer_meta=optimizer_meta,
             version=self.version,

@@ -54,9 +54,9 @@ class EdgeRound:
     numbers: list[int]  # gateway round numbers (more than one when rounds were merged)
     averages: list[torch.Tensor | None]
     layer_steps: list[int]
-    # A checkpoint's state covers the rounds up to this one: no later round may merge into it
-    # (cloud/hybrid_checkpoints.py).
-    sealed: bool = False
+    # The newest checkpoint epoch whose state covers this round (0: none pending): no later round
+    # may merge into it until that checkpoint is written (cloud/hybrid_checkpoints.py).
+    sealed_by: int = 0
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ class EdgeRounds:
                 self._queue.append(EdgeRound([round_number], list(averages), list(layer_steps)))
                 return
             last = self._queue[-1]
-            if last.sealed:  # over the bound until the checkpoint is cut (one per cut at most)
+            if last.sealed_by:  # over the bound until that checkpoint is written
                 self._queue.append(EdgeRound([round_number], list(averages), list(layer_steps)))
                 return
             self.merged += 1
@@ -106,21 +106,29 @@ class EdgeRounds:
         with self._lock:
             return self._queue.popleft() if self._queue else None
 
-    def seal(self) -> None:
-        """No later round merges into those queued now (a checkpoint covers them, not later ones)."""
+    def seal(self, epoch: int) -> None:
+        """No later round merges into those queued now: checkpoint `epoch` covers them."""
         with self._lock:
             if self._queue:
-                self._queue[-1].sealed = True
+                self._queue[-1].sealed_by = epoch
 
     def covered(self, last_round: int) -> list[EdgeRound]:
-        """The queued rounds numbered up to `last_round`, oldest first (they are not taken), their
-        seals lifted: what a checkpoint cut now holds besides the model.  A later request's seal
-        stays until its own cut."""
+        """Copies of the queued rounds numbered up to `last_round`, oldest first (not taken):
+        what a checkpoint written now holds besides the model.  Copies, taken under the lock: a
+        round closing meanwhile cannot change what is written."""
         with self._lock:
-            out = [r for r in self._queue if max(r.numbers) <= last_round]
-            for r in out:
-                r.sealed = False
-            return out
+            return [
+                EdgeRound(list(r.numbers), list(r.averages), list(r.layer_steps))
+                for r in self._queue
+                if max(r.numbers) <= last_round
+            ]
+
+    def unseal(self, epoch: int) -> None:
+        """Checkpoint `epoch` is written: lift its seals and older ones (a newer one's stay)."""
+        with self._lock:
+            for r in self._queue:
+                if r.sealed_by <= epoch:
+                    r.sealed_by = 0
 
     def restore(self, rounds: Sequence[EdgeRound]) -> None:
         """Queue a checkpoint's unmixed rounds ahead of any new one (at a start, before serving)."""
@@ -217,6 +225,7 @@ class EdgeMixing:
         self.gateway_failed = False  # rank 0: the gateway's thread died under the job
         self._done_at: float | None = None  # when the planned epochs ended
         self._gateway_stopped = False
+        self._known_at = gateway.clock() if gateway is not None and gateway.clients else None
         self._send(mix=False, stop=False)
 
     # ------------------------------------------------------------------ the loop's calls
@@ -308,7 +317,10 @@ class EdgeMixing:
         gw = self.gateway
         assert gw is not None and self.rounds is not None
         # Edges heartbeat while they live: silence means they finished (or their link is down).
-        quiet = gw.last_heard_at is None or gw.clock() - gw.last_heard_at >= self.idle_s
+        # A job resumed with devices on record counts from its start: they are reconnecting, with
+        # what the dead instance acknowledged to send again.
+        heard = gw.last_heard_at if gw.last_heard_at is not None else self._known_at
+        quiet = heard is None or gw.clock() - heard >= self.idle_s
         return quiet and gw.open.opened_at is None and len(self.rounds) == 0
 
     def _stop_gateway(self) -> None:

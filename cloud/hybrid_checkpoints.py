@@ -137,7 +137,7 @@ class HybridCheckpoints(RoundCadence):
         tensors, meta = encode(replace(state, model={}, optimizer_tensors={}), self.lineage_max)
         request = _Request(state.epoch, state.round - 1, tensors, meta)
         if self.rounds is not None:
-            self.rounds.seal()
+            self.rounds.seal(state.epoch)
         with self._lock:
             self._request = request  # a newer state covers everything an older one did
         self._wanted.clear()
@@ -226,11 +226,30 @@ class HybridCheckpoints(RoundCadence):
 
     def cut(self, position: Position, counts: MixingCounts, served_version: int) -> Path | None:
         """Rank 0, between steps: write the state the gateway handed over, if any, with the model
-        as it is now and the queued rounds it covers."""
+        as it is now and the queued rounds it covers.  A write that fails is logged and the job
+        goes on: nothing more is durable until one succeeds (the gateway commits nothing)."""
         with self._lock:
             request, self._request = self._request, None
         if request is None:
             return None
+        try:
+            path = self._write(request, position, counts, served_version)
+        except (OSError, CheckpointError, ValueError) as exc:
+            log.error(
+                "checkpoint %d not written, nothing more is durable until one is: %s", request.epoch, exc
+            )
+            return None
+        assert self.rounds is not None
+        self.rounds.unseal(request.epoch)
+        self.last_saved = path
+        self.last_saved_at = time.monotonic()
+        self.durable_epoch = request.epoch  # the gateway thread reads it and sends the commit
+        log.debug("checkpoint %d: %s at %s", request.epoch, path, position)
+        return path
+
+    def _write(
+        self, request: _Request, position: Position, counts: MixingCounts, served_version: int
+    ) -> Path:
         assert self._module is not None and self._optimizer is not None and self._schedule is not None
         assert self.rounds is not None
         tensors = dict(request.tensors)
@@ -258,17 +277,23 @@ class HybridCheckpoints(RoundCadence):
                 "steps_by_layer": list(counts.steps_by_layer),
             },
         }
-        self.last_saved = self.store.save(request.epoch, tensors, meta)
-        self.durable_epoch = request.epoch  # the gateway thread reads it and sends the commit
-        log.debug("checkpoint %d: %s at %s", request.epoch, self.last_saved, position)
-        return self.last_saved
+        return self.store.save(request.epoch, tensors, meta)
 
     def load(self, module: torch.nn.Module, device: torch.device) -> Resumed | None:
         """Every rank: read the newest checkpoint that fits `module`, and agree with the other ranks
         on which (they must share the storage).  Raises CheckpointError when they disagree."""
         expect = {k: (tuple(v.shape), v.dtype) for k, v in module.state_dict().items()}
         found = None
-        for path in self.store.entries():
+        entries = self.store.entries()
+        older = sorted(self.store.directory.glob("ckpt-*.safetensors"))
+        if not entries and older and self.rank == 0:
+            log.warning(
+                "%s holds no hybrid checkpoint, only %d other ones (epoch-end checkpoints of an older "
+                "version, or a standalone gateway's): the job starts afresh",
+                self.store.directory,
+                len(older),
+            )
+        for path in entries:
             try:
                 found = self._read(path, expect)
                 break

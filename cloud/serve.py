@@ -397,12 +397,15 @@ def run_hybrid(config: CloudConfig) -> int:
     # The job's checkpoints: the cloud model, the gateway's state and the unmixed rounds in one file.
     # --train-checkpoint-dir when given (storage every node shares), else the gateway's directory
     # (on by default, as standalone: one node needs nothing shared).
-    directory = config.train.checkpoint_dir or config.gateway.checkpoint_dir
+    # A node-local default would leave the other nodes without the file at a restart.
+    one_node = os.environ.get("WORLD_SIZE", "1") == os.environ.get("LOCAL_WORLD_SIZE", "1")
+    directory = config.train.checkpoint_dir or (config.gateway.checkpoint_dir if one_node else "")
+    keep = config.train.checkpoint_keep if config.train.checkpoint_dir else config.gateway.checkpoint_keep
     if rank_name == "0" and not directory:
         log.warning(
-            "no --train-checkpoint-dir or --gateway-checkpoint-dir: acknowledged edge contributions and "
-            "the cloud model live in memory only and a crash loses them; edges are not told anything "
-            "is durable"
+            "no checkpoints (--train-checkpoint-dir: storage every node shares; on one node "
+            "--gateway-checkpoint-dir also does): acknowledged edge contributions and the cloud model "
+            "live in memory only and a crash loses them; edges are not told anything is durable"
         )
     device, launched = join_process_group(backend, config.sync.timeout_s)
     if not launched:
@@ -429,7 +432,7 @@ def run_hybrid(config: CloudConfig) -> int:
             checkpoints = HybridCheckpoints(
                 directory,
                 task.name,
-                keep=config.train.checkpoint_keep,
+                keep=keep,
                 every_rounds=g.checkpoint_every_rounds,
                 every_s=g.checkpoint_every_s,
             )

@@ -256,19 +256,44 @@ def test_after_the_planned_epochs_the_job_drains_while_edges_are_heard_up_to_the
 
 def test_a_sealed_round_takes_no_later_round_and_a_cut_holds_exactly_the_rounds_its_state_covers() -> None:
     """The queue's half of the hybrid checkpoint's consistency (cloud/hybrid_checkpoints.py): the
-    gateway's state at round 2's close covers rounds 1-2, so round 3 must not merge into them even
-    when the queue is full, and the cut holds rounds 1-2 and not 3.  Without the seal, round 3
-    merged into round 2's entry, and the cut held neither: round 2, acknowledged, was lost."""
+    gateway's state at round 2's close (checkpoint 1) covers rounds 1-2, so round 3 must not merge
+    into them even when the queue is full, and the cut holds rounds 1-2 and not 3.  Without the
+    seal, round 3 merged into round 2's entry, and the cut held neither: round 2, acknowledged,
+    was lost."""
     rounds = EdgeRounds(max_queued=2)
     one = [torch.ones(3)]
     rounds.apply(1, one, [1])
     rounds.apply(2, one, [1])
-    rounds.seal()  # round 2 closed, its state handed over
+    rounds.seal(1)  # round 2 closed, its state handed over as checkpoint 1
     rounds.apply(3, one, [1])  # the queue is full: unsealed, this would merge into round 2
-    rounds.seal()  # a later state, handed over before the first cut
+    rounds.seal(2)  # a later state (checkpoint 2), handed over before checkpoint 1 is written
     rounds.apply(4, one, [1])
     assert [r.numbers for r in rounds.covered(2)] == [[1], [2]]
-    assert [r.numbers for r in rounds.covered(3)] == [[1], [2], [3]]  # the later seal held
+    rounds.unseal(1)  # checkpoint 1 written: round 3's seal (checkpoint 2's) stays
     rounds.apply(5, one, [1])  # round 4's entry was never sealed: 5 merges into it
+    assert [r.numbers for r in rounds.covered(3)] == [[1], [2], [3]]
+    rounds.unseal(2)
     assert [r.numbers for r in rounds.covered(5)] == [[1], [2], [3], [4, 5]]
     assert len(rounds) == 4 and rounds.merged == 1
+
+
+def test_a_newer_seal_on_the_same_round_outlives_an_older_cut_and_a_cut_is_a_copy() -> None:
+    """Two states handed over with no round between them seal the same entry; writing the older
+    one must leave the newer one's seal (else a round closing before the newer cut merges into it,
+    and that cut, which covers only the entry's older rounds, holds none of them).  And what a cut
+    holds is copied under the lock: a round merging after `covered` does not change it."""
+    rounds = EdgeRounds(max_queued=1)
+    one = [torch.ones(3)]
+    rounds.apply(1, one, [1])
+    rounds.seal(1)
+    rounds.seal(2)  # an idle save, no round since
+    held = rounds.covered(1)
+    rounds.unseal(1)
+    rounds.apply(2, one, [1])  # must not merge: checkpoint 2 covers round 1's entry
+    assert [r.numbers for r in rounds.covered(1)] == [[1]]
+    rounds.unseal(2)
+    held_later = rounds.covered(2)
+    rounds.apply(3, one, [1])  # unsealed now: merges into round 2's entry, not into the copy
+    assert [r.numbers for r in held] == [[1]]
+    assert [(r.numbers, r.layer_steps) for r in held_later] == [([1], [1]), ([2], [1])]
+    assert [r.numbers for r in rounds.covered(3)] == [[1], [2, 3]]

@@ -34,12 +34,17 @@ pytestmark = pytest.mark.slow
 EDGES = 3
 
 
-def children(pid: int) -> list[int]:
-    """The pids of `pid`'s child processes (torchrun's workers)."""
+def workers(pid: int) -> list[int]:
+    """The pids of torchrun `pid`'s live worker processes (children running elasticfed.cloud)."""
     found = []
     for task in Path(f"/proc/{pid}/task").iterdir():
-        text = (task / "children").read_text().split()
-        found.extend(int(p) for p in text)
+        for child in (task / "children").read_text().split():
+            try:
+                argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue  # gone meanwhile
+            if b"elasticfed.cloud" in argv:
+                found.append(int(child))
     return found
 
 
@@ -87,6 +92,7 @@ def test_kill_9_of_either_rank_under_torchrun_loses_nothing_durable_and_mixes_ea
         # Killed while edge 0 holds acknowledged pushes that are not on disk, once this instance
         # has committed some (so the restart has something to resume from and something to lose).
         # Only statuses from now on count (wait_for also scans past events).
+        last = edges[0].wait_for(lambda e: e.get("event") == "status", 60, "a status")
         last = edges[0].statuses()[-1]
         durable_before = last.get("edge_durable_steps_total", 0)
 
@@ -100,7 +106,7 @@ def test_kill_9_of_either_rank_under_torchrun_loses_nothing_durable_and_mixes_ea
 
         edges[0].wait_for(holding, 240, "held acknowledged pushes")
         rank0 = int(ready["pid"])
-        pid = rank0 if victim == "rank 0" else next(p for p in children(job.proc.pid) if p != rank0)
+        pid = rank0 if victim == "rank 0" else next(p for p in workers(job.proc.pid) if p != rank0)
         os.kill(pid, signal.SIGKILL)
         pids.add(rank0)
         ready = job.wait_for(
