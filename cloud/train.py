@@ -59,6 +59,7 @@ class TrainResult:
     wire_bytes_per_step: int
     final_loss: float
     resumed_from_epoch: int = 0
+    resumed_from_step: int = 0  # 0: not resumed (hybrid mode resumes in the middle of an epoch)
     metric: str = "accuracy"
     higher_is_better: bool = True
 
@@ -340,6 +341,7 @@ def train(
         wire_bytes_per_step=model.stats.wire_bytes_last_step,
         final_loss=last_loss,
         resumed_from_epoch=first_epoch,
+        resumed_from_step=at.steps,
     )
 
 

@@ -23,6 +23,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -150,3 +151,43 @@ def test_kill_9_of_either_rank_under_torchrun_loses_nothing_durable_and_mixes_ea
     print(json.dumps({"resumed": resumed, "resent": resent, "mixed": mixed, "applied": applied_all}))
     assert not problems, problems
     assert resent > 0, "no acknowledged push of a dead rank 0 was sent again: the kills missed"
+
+
+def cloud_only_job(directory: Path, epochs: int, procs: list[Proc]) -> Proc:
+    argv = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        "--max-restarts=3", "-m", "elasticfed.cloud", "serve", "--mode", "hybrid", "--insecure",
+        "--log-level", "warning", "--gateway-bind", f"tcp://127.0.0.1:{free_port()}",
+        "--train-backend", "gloo", "--train-shard", "0/2", "--train-epochs", str(epochs),
+        "--train-checkpoint-dir", str(directory),
+    ]  # fmt: skip
+    job = Proc(argv, "torchrun")
+    procs.append(job)
+    return job
+
+
+def test_a_job_killed_mid_epoch_resumes_where_it_stood_and_ends_with_the_same_model(
+    tmp_path: Path, procs: list[Proc]
+) -> None:
+    """The trainer's half of the cut: model, optimizer (momentum), learning-rate schedule and the
+    position in the data.  A job without edges checkpoints at every epoch end (written at the next
+    step, so it resumes one batch into an epoch); killed -9 after some, and restarted by torchrun,
+    it must end bit for bit where a run without the kill ends.  A resume at the epoch's start
+    (batches seen twice), a lost momentum or a schedule started afresh all change the digest."""
+    epochs = 60
+    reference = cloud_only_job(tmp_path / "reference", epochs, procs).summary(240)
+    job = cloud_only_job(tmp_path / "killed", epochs, procs)
+    ready = job.wait_for(lambda e: e.get("event") == "ready", 120, "rank 0 ready")
+    folder = tmp_path / "killed"
+    deadline = time.monotonic() + 120
+    while len(list(folder.glob("hybrid-*.safetensors"))) < 2:  # past the first epochs, not at the end
+        assert time.monotonic() < deadline, "no checkpoint written within 120 s"
+        assert job.proc.poll() is None, "the job ended before it could be killed: raise epochs"
+        time.sleep(0.005)
+    os.kill(int(ready["pid"]), signal.SIGKILL)
+    again = job.wait_for(lambda e: e.get("event") == "ready" and e["pid"] != ready["pid"], 120, "a restart")
+    assert again["resumed_from"] is not None, again
+    final = job.summary(240)
+    assert 0 < final["resumed_from_epoch"] < epochs and final["resumed_from_step"] > 0, final
+    assert final["steps"] == reference["steps"], (final["steps"], reference["steps"])
+    assert final["model_sha256_by_rank"] == reference["model_sha256_by_rank"], (final, reference)
