@@ -42,6 +42,7 @@ from elasticfed.cloud.durability import (
     encode,
 )
 from elasticfed.cloud.hybrid import EdgeRound, EdgeRounds, MixingCounts, Position
+from elasticfed.cloud.train import agree_on_checkpoint, load_schedule_state, schedule_state
 from elasticfed.common.checkpoint import (
     CheckpointError,
     CheckpointStore,
@@ -206,9 +207,7 @@ class HybridCheckpoints(RoundCadence):
             load_optimizer_state(optimizer, found.optimizer_tensors, found.optimizer_meta)
         except (ValueError, RuntimeError, KeyError) as exc:
             raise CheckpointError(f"{found.path}: the trainer's state does not fit: {exc}") from None
-        state = schedule.state_dict()
-        state.update(found.schedule)
-        schedule.load_state_dict(state)
+        load_schedule_state(schedule, found.schedule)
         return found.position
 
     def epoch_done(
@@ -269,7 +268,7 @@ class HybridCheckpoints(RoundCadence):
             "gateway": {**request.meta, "served_version": served_version + 1},
             "position": [position.epoch, position.batches, position.steps],
             "optimizer": optim_meta,
-            "schedule": {k: v for k, v in self._schedule.state_dict().items() if isinstance(v, (int, float))},
+            "schedule": schedule_state(self._schedule),
             "pending": pending,
             "mixed": {
                 "rounds": counts.rounds,
@@ -301,13 +300,7 @@ class HybridCheckpoints(RoundCadence):
                 why = str(exc) if str(path) in str(exc) else f"{path}: {exc}"
                 log.warning("skipped checkpoint %s", why)
         epoch = found.epoch if found is not None else 0
-        agreed = torch.tensor([epoch, -epoch], dtype=torch.int64, device=device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        if int(agreed[0]) != -int(agreed[1]):
-            raise CheckpointError(
-                f"ranks found checkpoints of different epochs (up to {int(agreed[0])} and down to "
-                f"{-int(agreed[1])}) in {self.store.directory}: it must be storage shared by every node"
-            )
+        agree_on_checkpoint(epoch, device, self.store.directory)
         self.resumed = found
         if found is not None:
             self.durable_epoch = found.epoch

@@ -98,6 +98,29 @@ def wrap(model: torch.nn.Module, sync: SyncSettings) -> LayerwiseDDP:
     )
 
 
+def agree_on_checkpoint(number: int, device: torch.device, directory: object) -> None:
+    """Every rank: check that all found the same checkpoint (0: none) in `directory`; raises
+    CheckpointError when they did not (the storage is not shared by every node)."""
+    agreed = torch.tensor([number, -number], dtype=torch.int64, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    if int(agreed[0]) != -int(agreed[1]):
+        raise CheckpointError(
+            f"ranks found checkpoints of different epochs (up to {int(agreed[0])} and down to "
+            f"{-int(agreed[1])}) in {directory}: it must be storage shared by every node"
+        )
+
+
+def schedule_state(schedule: torch.optim.lr_scheduler.LRScheduler) -> dict[str, int | float]:
+    """The schedule's numbers, for a checkpoint's JSON (the rest is rebuilt with the optimizer)."""
+    return {k: v for k, v in schedule.state_dict().items() if isinstance(v, (int, float))}
+
+
+def load_schedule_state(schedule: torch.optim.lr_scheduler.LRScheduler, saved: dict[str, Any]) -> None:
+    state = schedule.state_dict()
+    state.update(saved)
+    schedule.load_state_dict(state)
+
+
 class TrainCheckpoints:
     """Checkpoints of a torchrun job at epoch ends: rank 0 writes, every rank reads the newest good one."""
 
@@ -133,7 +156,7 @@ class TrainCheckpoints:
             "metric": self.metric,
             self.metric: score,
             "optimizer": optim_meta,
-            "schedule": {k: v for k, v in schedule.state_dict().items() if isinstance(v, (int, float))},
+            "schedule": schedule_state(schedule),
         }
         self.store.save(epoch, tensors, meta)
 
@@ -164,13 +187,7 @@ class TrainCheckpoints:
             except (CheckpointError, OSError) as exc:
                 log.warning("skipped checkpoint %s: %s", path, exc)
         epoch = int(found[2]["epoch"]) if found is not None else 0
-        agreed = torch.tensor([epoch, -epoch], dtype=torch.int64, device=device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        if int(agreed[0]) != -int(agreed[1]):
-            raise CheckpointError(
-                f"ranks found checkpoints of different epochs (up to {int(agreed[0])} and down to "
-                f"{-int(agreed[1])}) in {self.store.directory}: it must be storage shared by every node"
-            )
+        agree_on_checkpoint(epoch, device, self.store.directory)
         if found is None:
             return Position(0, 0, 0)
         path, tensors, meta = found
@@ -179,9 +196,7 @@ class TrainCheckpoints:
                 {k[len(self.MODEL) :]: v for k, v in tensors.items() if k.startswith(self.MODEL)}
             )
         load_optimizer_state(optimizer, tensors, meta["optimizer"])
-        state = schedule.state_dict()
-        state.update(meta["schedule"])
-        schedule.load_state_dict(state)
+        load_schedule_state(schedule, meta["schedule"])
         if self.rank == 0:
             log.info("resumed from %s: %d epochs and %d steps done", path, epoch, int(meta["steps"]))
         return Position(epoch, 0, int(meta["steps"]))
