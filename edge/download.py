@@ -167,12 +167,17 @@ class ModelDownload:
             self._next = min(self._next, i)
 
     # ------------------------------------------------------------- requests
-    def requests(self, budget_bytes: int, now: float, reask_after_s: float) -> list[tuple[int, int, int]]:
+    def requests(
+        self, budget_bytes: int, now: float, reask_after_s: float, lost_before: float = -math.inf
+    ) -> list[tuple[int, int, int]]:
         """(version, offset, length) to ask for now, within `budget_bytes` outstanding (of the
         patch from `base`, where there is a `base_digest`).
 
-        A request older than `reask_after_s` is asked again (a link that loses messages
-        on a live connection); over TCP the session passes infinity and relies on reconnects.
+        A request older than `reask_after_s` is asked again (a link that loses messages on a live
+        connection; over TCP the session passes infinity), and so is one asked before
+        `lost_before`: the link is FIFO each way and the gateway answers in order, so an answer to
+        something sent later means this one's answer is lost (the gateway could not send it, or
+        refused the request) and will never come.
         """
         if not self.active:
             return []
@@ -180,7 +185,7 @@ class ModelDownload:
             self._began = now
         out = []
         for i, at in list(self._asked.items()):
-            if now - at >= reask_after_s:
+            if now - at >= reask_after_s or at < lost_before:
                 self._asked[i] = now
                 self.stats.reasks += 1
                 self.reasked += 1

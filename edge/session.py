@@ -899,8 +899,9 @@ class EdgeSession:
         if version > self.announced:
             self.announced = version
 
-    def _ask_model(self, now: float) -> None:
-        """Ask for the next slices of the model being downloaded, as far as the downlink drains them."""
+    def _ask_model(self, now: float, lost_before: float = -math.inf) -> None:
+        """Ask for the next slices of the model being downloaded, as far as the downlink drains them
+        (again, those asked before `lost_before`: answers to later messages came, theirs did not)."""
         if not self.welcomed or not self.connection.up:
             return
         with self._lock:
@@ -923,8 +924,10 @@ class EdgeSession:
         uplink_full = max(self._uplink_backlog(now), self.uplink.budget(self._largest_unit))
         ahead_s = min(8.0, self.uplink.expected_s(uplink_full)) if self.uplink.measured else 0.0
         budget = int(self.downlink.budget(self.download.chunk_bytes) * 2 * (1.0 + ahead_s))
-        # Over TCP a request is answered unless the connection goes (then all are asked anew); a
-        # link that loses messages on a live connection needs a timer: twice what a request can
+        # Over TCP a request is answered unless the connection goes (then all are asked anew) or
+        # the gateway cannot send the answer (its queue to this edge full, a refusal): found by
+        # the answers to later messages (`lost_before`, on the next tick); a link that loses
+        # messages on a live connection also needs a timer: twice what a request can
         # wait for, which is the uplink's backlog ahead of it, then at most what is outstanding
         # (a part of what is missing) ahead of its answer.  Not the window: a whole model is
         # often far smaller (a 105 KB model waited 8 s to be asked again after a loss).
@@ -946,7 +949,7 @@ class EdgeSession:
         base, base_digest = self.download.base, self.download.base_digest
         took = self.download.last_fetch_s
         fetch_ms = 0 if took is None else max(1, round(took * 1000))
-        requests = self.download.requests(budget, now, reask)
+        requests = self.download.requests(budget, now, reask, lost_before)
         for k, (version, offset, length) in enumerate(requests):
             fetch = ModelFetch(
                 version=version,
@@ -1022,7 +1025,7 @@ class EdgeSession:
             self._miss(u, flight)
         covers, self._answer_covers = self._answer_covers, -math.inf
         # Model requests first: they are small, and would otherwise wait behind the pushes below.
-        self._ask_model(now)
+        self._ask_model(now, lost_before=covers)
         self._schedule(now, answered_since=covers)
         if self.connection.dead(now, self._queued_s()):
             self._reconnect(now)

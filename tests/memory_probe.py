@@ -68,7 +68,11 @@ def wait_idle(agent: ElasticEdge, quiet_s: float = 1.0, deadline_s: float = 60.0
         elif now - quiet_since >= quiet_s:
             return
         time.sleep(0.01)  # a poll with a deadline: the session has no idle event to wait on
-    raise SystemExit("the edge did not go idle within a minute of warm-up")
+    raise SystemExit(
+        "the edge did not go idle within a minute of warm-up: "
+        f"undelivered {session.cache.undelivered()}, download active {session.download.active}, "
+        f"announced {session.announced}, have {session.have_version}"
+    )
 
 
 def main(endpoint: str, state_dir: str, outage_steps: int = OUTAGE_STEPS) -> None:

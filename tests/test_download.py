@@ -12,18 +12,22 @@ downloads from stalling.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator
 
 import pytest
 import torch
+from fleet import free_port, pumped
 from test_gateway import Peer, grads_for
 from torch import nn
 
 from elasticfed.cloud.aggregation import DeadlineQuorum, MeanStep
 from elasticfed.cloud.gateway import Gateway, GatewayOptions
+from elasticfed.edge.cache import GradientCache
 from elasticfed.edge.compression import AutoCompression
 from elasticfed.edge.download import ModelDownload
 from elasticfed.edge.pacing import Backlog, LinkMeter, UploadCap
+from elasticfed.edge.session import EdgeSession, SessionOptions
 from elasticfed.protocol import Manifest, ModelChunk, ModelFetch, Reason, blob, decode, encode
 
 CHUNK = 1024
@@ -183,6 +187,22 @@ def test_requests_are_asked_again_only_after_the_re_ask_interval() -> None:
     assert len(asked) == 2
     assert download.requests(2 * CHUNK, now=0.5, reask_after_s=1.0) == []
     assert sorted(download.requests(2 * CHUNK, now=1.0, reask_after_s=1.0)) == sorted(asked)
+
+
+def test_requests_asked_before_a_later_messages_answer_are_asked_again_at_once() -> None:
+    """FIFO each way: an answer to a message sent after a request means the request's own answer
+    is lost (the gateway could not send it, or refused the request), even over TCP."""
+    manifest, _data, _digest = served(make_model(), 3)
+    download = ModelDownload(manifest, CHUNK)
+    download.start(3)
+    first = download.requests(2 * CHUNK, 1.0, math.inf)
+    second = download.requests(4 * CHUNK, 2.0, math.inf)
+    assert len(first) == 2 and len(second) == 2
+    # An answer to something sent at 2.0: the two asked at 1.0 are lost, those asked at 2.0 (the
+    # same instant, perhaps sent just before it) are not.
+    again = download.requests(4 * CHUNK, 3.0, math.inf, lost_before=2.0)
+    assert again == first
+    assert download.requests(4 * CHUNK, 3.5, math.inf, lost_before=2.0) == []  # asked at 3.0 now
 
 
 def test_each_download_counts_its_own_re_asks() -> None:
@@ -475,3 +495,41 @@ def test_a_patch_under_way_when_the_base_is_forgotten_goes_on_as_a_whole_model()
     params = dict(new.named_parameters())
     for layer in finished.layers:
         assert torch.equal(layer.payload.tensor, params[layer.name].detach())
+
+
+def test_model_requests_the_gateway_refused_are_asked_again_on_a_live_connection() -> None:
+    """A gateway that cannot answer a request (its rate limit here; a full queue to the edge is
+    the same) leaves it unanswered on a live connection: the heartbeats' answers show it lost.
+
+    Before, over TCP only a new connection asked again, and heartbeats kept the connection alive:
+    an edge waited forever for a model (this test: 61 requests refused, no model in 60 s)."""
+    model = nn.Linear(128, 128)  # 66 KB: 65 requests of 1 KiB
+    gw = Gateway(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        GatewayOptions(bind=f"tcp://127.0.0.1:{free_port()}", rate_messages_per_s=100, rate_burst=4),
+        weighting=MeanStep(max_staleness=1),
+        rounds=DeadlineQuorum(deadline_s=60.0, quorum=1),
+    )
+    named = list(model.named_parameters())
+    options = SessionOptions(
+        gateway=gw.options.bind, client_id="e", heartbeat_s=0.05, liveness=40, model_chunk_bytes=1024
+    )
+    cache = GradientCache([[(n, tuple(p.shape), p.dtype) for n, p in named]])
+    # It says it holds version 7; the gateway serves 0: the whole model comes down.
+    session = EdgeSession(options, Manifest.from_parameters(named), cache, model_version=7)
+    with pumped(gw):
+        session.start()
+        try:
+            deadline = time.monotonic() + 60
+            while session.have_version != 0 and time.monotonic() < deadline:
+                time.sleep(0.01)  # a poll with a deadline: the session has no event for it
+            refused = gw.metrics.rejected.get("e", Reason.RATE_LIMITED.value)
+            assert refused > 0, "the rate limit refused nothing: the test shows nothing"
+            assert session.have_version == 0, (session.status(), refused)
+            received = session.take_model()
+            assert received is not None and received.version == 0
+            for layer in received.layers:
+                assert torch.equal(layer.payload.tensor, dict(named)[layer.name].detach())
+        finally:
+            session.close()
