@@ -130,7 +130,11 @@ class GatewaySettings:
     )
     rate_burst: int = setting(5000, "messages one device may send back to back", min=1)
     rate_bytes_per_s: float = setting(0.0, "bytes one device may send per second (0: no limit)", min=0.0)
-    max_clients: int = setting(1024, "devices the gateway serves at once", min=1)
+    max_clients: int = setting(
+        16384,
+        "devices the gateway serves at once (about 6 KiB of memory and one open file each)",
+        min=1,
+    )
     credit: int = setting(8, "pushes one edge may have outstanding (flow control)", min=1, max=4096)
     model_versions_kept: int = setting(
         8,

@@ -455,6 +455,10 @@ class Gateway:
         self.version = version
         self.open = OpenRound(number=1, layers=len(self.params))
         self.clients: dict[str, ClientState] = {}
+        # Devices forgotten to make room (_evict_idle) holding verdicts their edge has not said it
+        # heard: kept until they return, and saved with the others, so a push re-sent after the
+        # device's return is answered as before, never applied twice.  At most max_clients of them.
+        self._dormant: dict[str, ClientState] = {}
         self.routes: dict[bytes, str] = {}
         # Durability (with checkpoints), in checkpoint numbers (epochs): the newest on disk, and
         # for each instance the checkpoints we descend from were written by, the newest it wrote
@@ -496,6 +500,7 @@ class Gateway:
                 # busy, then stops reading that connection (back-pressure, nothing dropped).
                 # Credit keeps an honest edge far below it.
                 queue_per_peer=4 * self.options.credit + 16,
+                peers=self.options.max_clients,
                 secure=self.admission.secure if self.admission is not None else None,
             )
         self.bound_endpoint = self.link.open()
@@ -677,9 +682,18 @@ class Gateway:
         state = self.clients.get(msg.client_id)
         if state is None and len(self.clients) >= self.options.max_clients and not self._evict_idle(now):
             detail = f"the gateway serves at most {self.options.max_clients} devices"
+            if len(self._dormant) >= self.options.max_clients:
+                detail += (
+                    f" and keeps the unheard verdicts of at most {self.options.max_clients} that went "
+                    "silent; none can be forgotten until they return (raise max_clients)"
+                )
             self._refuse(route, who, Reason.TOO_MANY_CLIENTS, detail, now)
             return
-        if state is None:
+        if state is None and msg.client_id in self._dormant:
+            state = self.clients[msg.client_id] = self._dormant.pop(msg.client_id)
+            state.route = route
+            log.info("edge %s is back (its %d unheard verdicts kept)", msg.client_id, len(state.verdicts))
+        elif state is None:
             state = self.clients[msg.client_id] = ClientState(msg.client_id, route)
             log.info(
                 "edge %s joined (model version %d, next seq %d)",
@@ -722,10 +736,19 @@ class Gateway:
         )
 
     def _evict_idle(self, now: float) -> bool:
-        """Make room by forgetting the device silent the longest, if silent over `client_idle_s`."""
+        """Make room by forgetting the device silent the longest, if silent over `client_idle_s`.
+
+        Its verdicts the edge has not said it heard (pushes it may send again: it went silent
+        before their answers came) are kept aside (`_dormant`); forgotten with the rest, the same
+        push re-sent after its return was applied a second time."""
         oldest = min(self.clients.values(), key=lambda c: c.last_seen)
         if now - oldest.last_seen < self.options.client_idle_s:
             return False
+        if oldest.verdicts:
+            if len(self._dormant) >= self.options.max_clients:
+                return False  # newcomers wait: exactly-once before room
+            self._dormant[oldest.client_id] = oldest
+            oldest.welcomed = False  # it says hello again when it is back
         log.info("forgetting edge %s: silent for %.0f s", oldest.client_id, now - oldest.last_seen)
         del self.clients[oldest.client_id]
         self.routes.pop(oldest.route, None)
@@ -1036,7 +1059,7 @@ class Gateway:
             version=self.version,
             round=self.open.number,
             epoch=epoch,
-            clients=self.clients,
+            clients={**self._dormant, **self.clients},
             lineage={**self.lineage, self.gateway_id: epoch},  # true once the state is on disk
             applied_steps={
                 cid: {name: n for name, n in zip(self.names, counts) if n}
@@ -1120,6 +1143,7 @@ class Gateway:
         self.version = state.version
         self.open = OpenRound(number=state.round, layers=len(self.params))
         self.clients = state.clients
+        self._dormant = {}
         self.routes = {}
         self._served.clear()
         served = state.version if state.served_version is None else state.served_version
@@ -1257,6 +1281,7 @@ class Gateway:
             "secure": self.admission is not None,
             "durable_epoch": self.durable_epoch if self.checkpoints is not None else None,
             "clients": sorted(self.clients),
+            "dormant_clients": len(self._dormant),  # forgotten to make room, their verdicts kept
             # over the checkpointed history (resumes included), not only this process
             "history_applied_steps": {
                 cid: {name: n for name, n in zip(self.names, counts) if n}

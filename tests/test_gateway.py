@@ -687,6 +687,43 @@ def test_a_full_client_table_forgets_the_device_silent_longest_once_idle() -> No
         gw.close()
 
 
+def test_a_device_forgotten_to_make_room_keeps_its_unheard_verdicts_and_is_never_applied_twice() -> None:
+    """A device that went silent before hearing its push's verdict, forgotten for a newcomer, comes
+    back and sends that push again: it is answered as before (before: applied a second time).
+    Its verdicts are saved while it is away; a full table of such devices refuses newcomers."""
+    clock = [0.0]
+    gw = _gateway(max_clients=1, client_idle_s=600.0)
+    gw.clock = lambda: clock[0]
+    try:
+        old = Peer(gw, "old")
+        assert isinstance(old.hello(gw.manifest), Welcome)
+        first = old.push(1, grads_for(gw, 1.0))
+        assert first.accepted and first.code == ""  # applied; the device goes silent unanswered
+        clock[0] = 601.0
+        assert isinstance(Peer(gw, "new").hello(gw.manifest), Welcome)
+        assert sorted(gw.clients) == ["new"] and gw.status()["dormant_clients"] == 1
+        assert gw.state().clients["old"].verdicts  # saved while it is away
+        clock[0] = 1300.0  # "new" only said hello: nothing of it needs keeping
+        back = Peer(gw, "old")
+        assert isinstance(back.hello(gw.manifest), Welcome)
+        again = back.push(1, grads_for(gw, 1.0))
+        assert again.accepted and again.code == "duplicate", again
+        assert gw.applied_steps["old"] == [1] * len(gw.names)
+        assert gw.status()["dormant_clients"] == 0 and "new" not in gw.clients
+        # Full of devices with unheard verdicts: a newcomer is refused, saying why.
+        assert back.push(2, grads_for(gw, 1.0)).accepted
+        clock[0] = 2000.0
+        assert isinstance(Peer(gw, "third").hello(gw.manifest), Welcome)  # "old" kept aside
+        gw.clients["third"].record(1, "", 0)  # an unheard verdict of its own
+        clock[0] = 2700.0
+        refused = Peer(gw, "fourth").hello(gw.manifest)
+        assert isinstance(refused, Reject) and refused.code == "too_many_clients", refused
+        assert "unheard verdicts" in refused.detail
+        assert set(gw.state().clients) == {"old", "third"}  # both saved
+    finally:
+        gw.close()
+
+
 class BrokenWeighting(MeanStep):
     """A policy with a bug (a user's own object): the service must outlive it."""
 

@@ -290,3 +290,36 @@ def test_an_edge_whose_model_is_one_unit_measures_its_uplink_and_auto_chooses_fr
     chosen = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compression ")]
     assert session.uplink.measured, session.status()
     assert chosen, "auto never chose from a measured uplink"
+
+
+OPEN_FILES_SCRIPT = """
+import logging, resource, sys
+import torch
+from elasticfed.cloud.gateway import Gateway, GatewayOptions
+from elasticfed.common.transport.zeromq import allow_open_files
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
+hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+cap = 4096 if hard == resource.RLIM_INFINITY else min(hard, 4096)
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, cap))
+print("cap", cap)
+model = torch.nn.Linear(2, 2)
+gw = Gateway(model, torch.optim.SGD(model.parameters(), lr=0.1),
+             GatewayOptions(bind="tcp://127.0.0.1:0", max_clients=2000))
+gw.bind()
+print("after bind", resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+gw.close()
+print("short", allow_open_files(10_000))
+"""
+
+
+def test_a_gateway_raises_its_open_file_limit_for_its_devices_and_says_when_it_cannot() -> None:
+    """A connection is a file: a soft limit of 256 would refuse the 257th device, unexplained."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", OPEN_FILES_SCRIPT], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+    cap = int(out.split("cap ")[1].split()[0])
+    assert f"after bind {min(cap, 2064)}" in out, out  # max_clients and the process's own files
+    assert f"short {cap}" in out and "needs about 10000" in out and "ulimit -Hn" in out, out

@@ -8,6 +8,7 @@ gateway hold protocol logic only.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +29,10 @@ from elasticfed.common.transport.base import (
     Tracker,
 )
 from elasticfed.protocol import DEFAULT_LIMITS, Limits
+
+log = logging.getLogger("elasticfed.transport")
+
+FILES_BESIDES_PEERS = 64  # the process's own files: checkpoints, logs, libzmq's internal pipes
 
 _HANDSHAKE_EVENTS = (
     zmq.EVENT_HANDSHAKE_SUCCEEDED
@@ -201,10 +206,12 @@ class RouterLink(Link):
         limits: Limits = DEFAULT_LIMITS,
         queue_per_peer: int = 1000,
         secure: Callable[[zmq.Socket], None] | None = None,
+        peers: int = 1024,
     ) -> None:
         self.endpoint = endpoint
         self.limits = limits
         self.queue_per_peer = queue_per_peer
+        self.peers = peers  # connections it must be able to hold at once: a file each
         self.secure = secure  # makes the socket a CURVE server before it binds (cloud/admission.py)
         self.ctx = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
@@ -212,6 +219,7 @@ class RouterLink(Link):
         self._poller = zmq.Poller()
 
     def open(self) -> str:
+        allow_open_files(self.peers + FILES_BESIDES_PEERS)
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an undeliverable reply raises instead of vanishing
@@ -299,3 +307,33 @@ def _user_id(frame: Any) -> str | None:
     except (AttributeError, zmq.ZMQError):
         return None
     return str(value) if value else None
+
+
+def allow_open_files(needed: int) -> int:
+    """Raise this process's soft limit on open files toward `needed` (at most to the hard limit, as
+    the Go runtime does at start); returns the limit now, with a warning if short of `needed`.
+
+    Why: each edge's connection is a file, and a common soft limit is 1024: past it libzmq
+    cannot accept a connection and the devices beyond it retry forever, unexplained."""
+    try:
+        import resource
+    except ImportError:  # not a Unix: nothing to raise
+        return needed
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return needed
+    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    if target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, target, exc)
+    if soft < needed:
+        log.warning(
+            "this process may open %d files and serving its devices needs about %d (a connection "
+            "each): raise the hard limit (ulimit -Hn, systemd LimitNOFILE=, docker --ulimit nofile=)",
+            soft,
+            needed,
+        )
+    return soft
