@@ -88,6 +88,7 @@ from elasticfed.protocol import (
     Reason,
     Reject,
     Welcome,
+    all_finite,
     blob,
     decode,
     encode,
@@ -939,7 +940,7 @@ class Gateway:
         moved = self._step_mass(rnd, divisor)
         for name, acc in zip(self.names, self.acc):
             avg = acc.average(divisor)
-            if avg is not None and not bool(torch.isfinite(avg).all()):
+            if avg is not None and not all_finite(avg):
                 # Finite contributions can still overflow float32 together; the model must stay finite.
                 log.error(
                     "round %d: layer %s's average is not finite; that layer is not updated", rnd.number, name
@@ -1004,7 +1005,7 @@ class Gateway:
         broken = [
             name
             for name, p, avg in zip(self.names, self.params, averages)
-            if avg is not None and not bool(torch.isfinite(p).all())
+            if avg is not None and not all_finite(p.detach())
         ]
         if not broken:
             return

@@ -42,6 +42,7 @@ from elasticfed.protocol import (
     ModelChunk,
     ModelPatch,
     ProtocolError,
+    all_finite,
     blob,
     decode,
     limits_for,
@@ -290,7 +291,7 @@ class ModelDownload:
         else:
             self.stats.snapshots += 1
         layers = blob.unpack(self.manifest, data)
-        bad = next((name for name, t in layers.items() if not bool(torch.isfinite(t).all())), None)
+        bad = next((name for name, t in layers.items() if not all_finite(t)), None)
         if bad is not None:
             self.stats.corrupt += 1
             log.warning("model %d holds NaN or Inf in %s: not adopted", version, bad)

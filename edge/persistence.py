@@ -38,7 +38,16 @@ import torch
 
 from elasticfed.common.checkpoint import CheckpointError, CheckpointStore, read_tensors, write_tensors
 from elasticfed.edge.cache import MAX_HELD, GradientCache, SavedFlight, SavedHeld, UnitSnapshot
-from elasticfed.protocol import LayerGradient, Manifest, ProtocolError, Push, decode, encode, limits_for
+from elasticfed.protocol import (
+    LayerGradient,
+    Manifest,
+    ProtocolError,
+    Push,
+    all_finite,
+    decode,
+    encode,
+    limits_for,
+)
 from elasticfed.protocol.messages import MAX_RATE, is_rate
 
 log = logging.getLogger("elasticfed.edge")
@@ -248,7 +257,7 @@ def import_state(
             t = tensors.get(f"{unit.index}.{name}")
             if t is None or t.dtype != unit.dtype or t.shape != (unit.numel,):
                 raise CheckpointError(f"{where}: tensor {name} is missing or has another shape or dtype")
-            if not bool(torch.isfinite(t).all()):
+            if not all_finite(t):
                 raise CheckpointError(f"{where}: tensor {name} holds NaN or Inf")
             return t
 
