@@ -145,6 +145,13 @@ class Connection:
                 self.gateway,
                 event.detail,
             )
+        elif event.detail == "plain":
+            # No keys here: blaming them sent users after keys an insecure edge does not have.
+            log.warning(
+                "handshake with %s failed: the gateway went away mid-handshake, or what listens "
+                "there is not an elasticfed gateway. Retrying",
+                self.gateway,
+            )
         else:
             log.error(
                 "CURVE handshake with %s failed: is --security-gateway-public-key the key of the "

@@ -100,3 +100,14 @@ def test_handshake_failures_are_counted_every_time_and_logged_now_and_then(
     logged = [r for r in caplog.records if "refused this device's CURVE key" in r.getMessage()]
     assert len(logged) == 2  # at 0 s and 11 s
     assert connection.on_event(LinkEvent(Event.UP), now=12.0) is True
+
+
+def test_a_failed_handshake_without_keys_does_not_blame_keys(caplog: pytest.LogCaptureFixture) -> None:
+    hub = MemoryHub()
+    connection, _ = _connection(hub)
+    with caplog.at_level(logging.WARNING, logger="elasticfed.edge"):
+        connection.on_event(LinkEvent(Event.FAILED, "plain"), now=0.0)
+        connection.on_event(LinkEvent(Event.FAILED, "curve"), now=20.0)
+    plain, curve = (r.getMessage() for r in caplog.records)
+    assert "CURVE" not in plain and "key" not in plain and "went away" in plain
+    assert "--security-gateway-public-key" in curve

@@ -52,6 +52,7 @@ class Event(enum.Enum):
     UP = "up"  # the connection (and its handshake, with CURVE) is up: a good moment to say hello
     REFUSED = "refused"  # the peer refused this end's key (CURVE/ZAP); retried by the transport
     FAILED = "failed"  # a handshake failed otherwise (e.g. the wrong server key); retried too
+    # (detail "plain": no keys involved, e.g. the peer went away mid-handshake or is not ZeroMQ)
 
 
 @dataclass(frozen=True)

@@ -180,8 +180,8 @@ class DealerLink(Link):
                 self._events.append(LinkEvent(Event.UP))
             elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 self._events.append(LinkEvent(Event.REFUSED, f"ZAP status {event['value']}"))
-            else:
-                self._events.append(LinkEvent(Event.FAILED))
+            else:  # the detail says whether keys can be the cause
+                self._events.append(LinkEvent(Event.FAILED, "curve" if self.curve is not None else "plain"))
 
     def _close_socket(self) -> None:
         if self._monitor is not None:
