@@ -681,7 +681,11 @@ class Gateway:
             self._refuse(route, who, Reason.MANIFEST, detail, now)
             return
         state = self.clients.get(msg.client_id)
+        # A device back from aside leaves room there for the one it may displace.
+        returning = self._dormant.pop(msg.client_id, None) if state is None else None
         if state is None and len(self.clients) >= self.options.max_clients and not self._evict_idle(now):
+            if returning is not None:
+                self._dormant[msg.client_id] = returning
             detail = f"the gateway serves at most {self.options.max_clients} devices"
             if len(self._dormant) >= self.options.max_clients:
                 detail += (
@@ -690,8 +694,8 @@ class Gateway:
                 )
             self._refuse(route, who, Reason.TOO_MANY_CLIENTS, detail, now)
             return
-        if state is None and msg.client_id in self._dormant:
-            state = self.clients[msg.client_id] = self._dormant.pop(msg.client_id)
+        if returning is not None:
+            state = self.clients[msg.client_id] = returning
             state.route = route
             log.info("edge %s is back (its %d unheard verdicts kept)", msg.client_id, len(state.verdicts))
         elif state is None:
@@ -737,19 +741,23 @@ class Gateway:
         )
 
     def _evict_idle(self, now: float) -> bool:
-        """Make room by forgetting the device silent the longest, if silent over `client_idle_s`.
+        """Make room by forgetting a device silent over `client_idle_s` (the longest silent).
 
         Its verdicts the edge has not said it heard (pushes it may send again: it went silent
         before their answers came) are kept aside (`_dormant`); forgotten with the rest, the same
         push re-sent after its return was applied a second time."""
-        oldest = min(self.clients.values(), key=lambda c: c.last_seen)
-        if now - oldest.last_seen < self.options.client_idle_s:
-            return False
-        if oldest.verdicts:
-            if len(self._dormant) >= self.options.max_clients:
-                return False  # newcomers wait: exactly-once before room
+        idle = [c for c in self.clients.values() if now - c.last_seen >= self.options.client_idle_s]
+        # The one silent longest among those with nothing to keep; else among those whose
+        # verdicts fit aside (exactly-once before room: with neither, newcomers wait).
+        bare = [c for c in idle if not c.verdicts]
+        if bare:
+            oldest = min(bare, key=lambda c: c.last_seen)
+        elif idle and len(self._dormant) < self.options.max_clients:
+            oldest = min(idle, key=lambda c: c.last_seen)
             self._dormant[oldest.client_id] = oldest
             oldest.welcomed = False  # it says hello again when it is back
+        else:
+            return False
         log.info("forgetting edge %s: silent for %.0f s", oldest.client_id, now - oldest.last_seen)
         del self.clients[oldest.client_id]
         self.routes.pop(oldest.route, None)

@@ -93,7 +93,11 @@ class ModelDownload:
         self._buffer: torch.Tensor | None = None
         self._have = bytearray(self.chunks)  # 1: chunk i is in the buffer
         self._missing = self.chunks
-        self._asked: dict[int, float] = {}  # chunk -> when asked on the current connection
+        self._asked: dict[int, float] = {}  # chunk -> when asked (last) on the current connection
+        self._first_asked: dict[int, float] = {}  # chunk -> when first asked on it
+        # The latest time every request sent before it is answered or lost (one FIFO each way): the
+        # first ask of each answered chunk (an answer may be to any copy asked, so the earliest).
+        self.answered_upto = -math.inf
         self._next = 0  # lowest chunk index that may still be missing and unasked
         self._began: float | None = None  # when this download's first request went out
         self.reasked = 0  # requests of this download asked again (restarts of it keep the count)
@@ -159,34 +163,43 @@ class ModelDownload:
         if self.active and self._missing < self.chunks:
             self.stats.resumed += 1
         self._asked.clear()
+        self._first_asked.clear()
         self._next = 0
 
     def unasked(self, offset: int) -> None:
         """The request for the chunk at `offset` never left (no connection yet): ask it again."""
         i = offset // self.chunk_bytes
+        self._first_asked.pop(i, None)
         if self._asked.pop(i, None) is not None:
             self._next = min(self._next, i)
 
     # ------------------------------------------------------------- requests
     def requests(
-        self, budget_bytes: int, now: float, reask_after_s: float, lost_before: float = -math.inf
+        self,
+        budget_bytes: int,
+        now: float,
+        reask_after_s: float,
+        lost_before: float = -math.inf,
+        lost_after_s: float = 0.0,
     ) -> list[tuple[int, int, int]]:
         """(version, offset, length) to ask for now, within `budget_bytes` outstanding (of the
         patch from `base`, where there is a `base_digest`).
 
         A request older than `reask_after_s` is asked again (a link that loses messages on a live
         connection; over TCP the session passes infinity), and so is one asked before
-        `lost_before`: the link is FIFO each way and the gateway answers in order, so an answer to
-        something sent later means this one's answer is lost (the gateway could not send it, or
-        refused the request) and will never come.
+        `lost_before` (or `answered_upto`) and at least `lost_after_s` ago: the link is FIFO each
+        way and the gateway answers in order, so an answer to something sent later means this
+        one's answer is lost (the gateway could not send it, or refused the request) and will
+        never come.  `lost_after_s` spares a link that reorders a little an ask per overtaking.
         """
         if not self.active:
             return []
         if self._began is None:
             self._began = now
         out = []
+        lost_before = max(lost_before, self.answered_upto)
         for i, at in list(self._asked.items()):
-            if now - at >= reask_after_s or at < lost_before:
+            if now - at >= reask_after_s or (at < lost_before and now - at >= lost_after_s):
                 self._asked[i] = now
                 self.stats.reasks += 1
                 self.reasked += 1
@@ -195,7 +208,7 @@ class ModelDownload:
         i = self._next
         while i < self.chunks and (outstanding == 0 or outstanding + self._chunk_len(i) <= budget_bytes):
             if not self._have[i] and i not in self._asked:
-                self._asked[i] = now
+                self._asked[i] = self._first_asked[i] = now
                 outstanding += self._chunk_len(i)
                 out.append(self._request(i))
             i += 1
@@ -256,6 +269,9 @@ class ModelDownload:
             return None, None
         self.mass = msg.mass  # the version's, on every chunk of it (edge/drift.py reads it)
         asked_at = self._asked.pop(i, None)
+        first = self._first_asked.pop(i, None)
+        if first is not None:
+            self.answered_upto = max(self.answered_upto, first)
         if self._have[i]:
             self.stats.duplicates += 1
             return None, asked_at
@@ -363,4 +379,8 @@ class ModelDownload:
         self._missing = self.chunks
         if not keep_asked:
             self._asked.clear()
+            self._first_asked.clear()
+        for i in [i for i in self._asked if i >= self.chunks]:  # of a larger layout: never answered
+            del self._asked[i]
+            self._first_asked.pop(i, None)
         self._next = 0

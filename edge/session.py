@@ -247,6 +247,7 @@ class EdgeSession:
         # Send time of the newest request answered since the last tick: on a FIFO link a weak
         # push sent before it, still unanswered, was lost rather than late.
         self._answer_covers = -math.inf
+        self._probes_answered_upto = -math.inf  # heartbeats answered: see _handle and _ask_model
         self._last_probe = 0.0
         self._last_hello = -math.inf
         self._probe_s = min(options.heartbeat_s, options.timeout_s / 2)
@@ -681,6 +682,9 @@ class EdgeSession:
             probe = self.connection.probe_sent_at(msg.nonce)
             self._rtt_sample(now - probe)
             self._covers(probe)
+            # A heartbeat is answered once, at once: unlike an ack (to which copy of a push?) it
+            # says for sure that everything sent before it was answered or lost.
+            self._probes_answered_upto = max(self._probes_answered_upto, probe)
             self._announce(msg.model_version)
             if not msg.gateway_id or msg.gateway_id == self.gateway_id:  # as in _on_ack
                 self._settle(msg.verdicts, msg.gateway_id, now)
@@ -899,9 +903,8 @@ class EdgeSession:
         if version > self.announced:
             self.announced = version
 
-    def _ask_model(self, now: float, lost_before: float = -math.inf) -> None:
-        """Ask for the next slices of the model being downloaded, as far as the downlink drains them
-        (again, those asked before `lost_before`: answers to later messages came, theirs did not)."""
+    def _ask_model(self, now: float) -> None:
+        """Ask for the next slices of the model being downloaded, as far as the downlink drains them."""
         if not self.welcomed or not self.connection.up:
             return
         with self._lock:
@@ -926,8 +929,9 @@ class EdgeSession:
         budget = int(self.downlink.budget(self.download.chunk_bytes) * 2 * (1.0 + ahead_s))
         # Over TCP a request is answered unless the connection goes (then all are asked anew) or
         # the gateway cannot send the answer (its queue to this edge full, a refusal): found by
-        # the answers to later messages (`lost_before`, on the next tick); a link that loses
-        # messages on a live connection also needs a timer: twice what a request can
+        # answers to later messages, a heartbeat's or a later chunk's (`lost_before`, and the
+        # download's own `answered_upto`), after `resend_s` (a link that reorders a little); a link
+        # that loses messages on a live connection also needs a timer: twice what a request can
         # wait for, which is the uplink's backlog ahead of it, then at most what is outstanding
         # (a part of what is missing) ahead of its answer.  Not the window: a whole model is
         # often far smaller (a 105 KB model waited 8 s to be asked again after a loss).
@@ -949,7 +953,7 @@ class EdgeSession:
         base, base_digest = self.download.base, self.download.base_digest
         took = self.download.last_fetch_s
         fetch_ms = 0 if took is None else max(1, round(took * 1000))
-        requests = self.download.requests(budget, now, reask, lost_before)
+        requests = self.download.requests(budget, now, reask, self._probes_answered_upto, self.resend_s)
         for k, (version, offset, length) in enumerate(requests):
             fetch = ModelFetch(
                 version=version,
@@ -1025,7 +1029,7 @@ class EdgeSession:
             self._miss(u, flight)
         covers, self._answer_covers = self._answer_covers, -math.inf
         # Model requests first: they are small, and would otherwise wait behind the pushes below.
-        self._ask_model(now, lost_before=covers)
+        self._ask_model(now)
         self._schedule(now, answered_since=covers)
         if self.connection.dead(now, self._queued_s()):
             self._reconnect(now)

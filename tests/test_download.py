@@ -205,6 +205,57 @@ def test_requests_asked_before_a_later_messages_answer_are_asked_again_at_once()
     assert download.requests(4 * CHUNK, 3.5, math.inf, lost_before=2.0) == []  # asked at 3.0 now
 
 
+def test_an_answer_to_a_chunk_asked_again_covers_only_its_first_ask() -> None:
+    """Which copy an answer is to is unknown: counting it as the latest one's, a late answer to the
+    first copy declared every request sent in between lost (asked again, and so on)."""
+    manifest, data, digest = served(make_model(), 3)
+    download = ModelDownload(manifest, CHUNK)
+    download.start(3)
+    assert [o for _, o, _ in download.requests(2 * CHUNK, 1.0, math.inf)] == [0, CHUNK]
+    assert len(download.requests(2 * CHUNK, 2.0, math.inf, lost_before=1.5)) == 2  # both again
+    download.on_chunk(answer(data, digest, 3, 0, CHUNK), 2.5)  # to the copy asked at 1.0, or 2.0
+    assert download.answered_upto == 1.0
+    later = download.requests(3 * CHUNK, 3.0, math.inf)
+    assert later and all(offset >= 2 * CHUNK for _, offset, _ in later)
+    download.on_chunk(answer(data, digest, 3, CHUNK, CHUNK), 3.5)
+    reasks = download.stats.reasks
+    assert all(o > 3 * CHUNK for _, o, _ in download.requests(3 * CHUNK, 4.0, math.inf))  # new ones
+    assert download.stats.reasks == reasks  # nothing asked at 3.0 is lost
+    # A request is counted lost only once `lost_after_s` old: a link that reorders a little.
+    download = ModelDownload(manifest, CHUNK)
+    download.start(3)
+    assert [o for _, o, _ in download.requests(CHUNK, 1.0, math.inf)] == [0]
+    assert [o for _, o, _ in download.requests(2 * CHUNK, 2.0, math.inf)] == [CHUNK]
+    download.on_chunk(answer(data, digest, 3, CHUNK, CHUNK), 2.5)  # overtook the answer at 0
+    assert download.answered_upto == 2.0
+    assert 0 not in [o for _, o, _ in download.requests(2 * CHUNK, 2.6, math.inf, lost_after_s=2.0)]
+    assert 0 in [o for _, o, _ in download.requests(2 * CHUNK, 3.1, math.inf, lost_after_s=2.0)]
+
+
+def test_requests_of_a_larger_layout_are_dropped_when_a_smaller_patch_replaces_it() -> None:
+    """Kept, they were asked again at lengths of 0 and below (refused by the gateway as malformed)."""
+    model = make_model()
+    manifest, data, digest = served(model, 1)
+    download = ModelDownload(manifest, CHUNK)
+    download.hold(1, data)
+    download.start(2)  # a patch from 1, of a size known once its first chunk comes
+
+    def patch(version: int, size: int, offset: int) -> ModelChunk:
+        body = bytes(min(CHUNK, size - offset))
+        return ModelChunk(
+            version=version, size=size, digest=7, offset=offset, data=body, base=1, model_digest=9,
+            base_digest=digest,
+        )  # fmt: skip
+
+    assert download.requests(8 * CHUNK, 1.0, math.inf) == [(2, 0, CHUNK)]
+    download.on_chunk(patch(2, 5 * CHUNK, 0), 1.1)
+    assert len(download.requests(8 * CHUNK, 1.2, math.inf)) == 4  # chunks 1-4 of 5
+    download.on_chunk(patch(3, 2 * CHUNK, 0), 1.3)  # version 3's patch, 2 chunks, replaces it
+    assert download.chunks == 2 and download.outstanding_bytes() == CHUNK  # chunk 1 of 2, no more
+    asked = download.requests(8 * CHUNK, 5.0, 1.0)  # everything outstanding is asked again
+    assert asked == [(3, CHUNK, CHUNK)]
+
+
 def test_each_download_counts_its_own_re_asks() -> None:
     # The session backs its probe off by this count while the downlink is unmeasured; patches
     # never measure it, and a count over every download pinned each one's first re-ask at

@@ -720,6 +720,26 @@ def test_a_device_forgotten_to_make_room_keeps_its_unheard_verdicts_and_is_never
         assert isinstance(refused, Reject) and refused.code == "too_many_clients", refused
         assert "unheard verdicts" in refused.detail
         assert set(gw.state().clients) == {"old", "third"}  # both saved
+        # Full as it is, a device back from aside gets in: the idle one goes aside in its place.
+        assert isinstance(Peer(gw, "old").hello(gw.manifest), Welcome)
+        assert sorted(gw.clients) == ["old"] and gw.status()["dormant_clients"] == 1
+    finally:
+        gw.close()
+
+
+def test_room_is_made_first_from_idle_devices_with_nothing_to_keep() -> None:
+    clock = [0.0]
+    gw = _gateway(max_clients=2, client_idle_s=600.0)
+    gw.clock = lambda: clock[0]
+    try:
+        a = Peer(gw, "a")
+        a.hello(gw.manifest)
+        assert a.push(1, grads_for(gw, 1.0)).accepted  # its verdict unheard: it must be kept
+        clock[0] = 100.0
+        Peer(gw, "b").hello(gw.manifest)  # nothing to keep
+        clock[0] = 800.0  # both idle; "a" silent longer
+        assert isinstance(Peer(gw, "c").hello(gw.manifest), Welcome)
+        assert sorted(gw.clients) == ["a", "c"] and gw.status()["dormant_clients"] == 0
     finally:
         gw.close()
 
