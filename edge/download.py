@@ -93,8 +93,8 @@ class ModelDownload:
         self._buffer: torch.Tensor | None = None
         self._have = bytearray(self.chunks)  # 1: chunk i is in the buffer
         self._missing = self.chunks
-        self._asked: dict[int, float] = {}  # chunk -> when asked (last) on the current connection
-        self._first_asked: dict[int, float] = {}  # chunk -> when first asked on it
+        # chunk -> (when first asked, when last asked) on the current connection
+        self._asked: dict[int, tuple[float, float]] = {}
         # The latest time every request sent before it is answered or lost (one FIFO each way): the
         # first ask of each answered chunk (an answer may be to any copy asked, so the earliest).
         self.answered_upto = -math.inf
@@ -118,7 +118,7 @@ class ModelDownload:
         return min(self.size, self._missing * self.chunk_bytes) if self.active else 0
 
     def oldest_ask(self) -> float | None:
-        return min(self._asked.values(), default=None)
+        return min((last for _, last in self._asked.values()), default=None)
 
     def start(self, version: int, whole: bool = False) -> None:
         """Begin fetching `version` (0: whichever the gateway serves newest), dropping any other;
@@ -163,13 +163,11 @@ class ModelDownload:
         if self.active and self._missing < self.chunks:
             self.stats.resumed += 1
         self._asked.clear()
-        self._first_asked.clear()
         self._next = 0
 
     def unasked(self, offset: int) -> None:
         """The request for the chunk at `offset` never left (no connection yet): ask it again."""
         i = offset // self.chunk_bytes
-        self._first_asked.pop(i, None)
         if self._asked.pop(i, None) is not None:
             self._next = min(self._next, i)
 
@@ -198,9 +196,9 @@ class ModelDownload:
             self._began = now
         out = []
         lost_before = max(lost_before, self.answered_upto)
-        for i, at in list(self._asked.items()):
+        for i, (first, at) in list(self._asked.items()):
             if now - at >= reask_after_s or (at < lost_before and now - at >= lost_after_s):
-                self._asked[i] = now
+                self._asked[i] = (first, now)
                 self.stats.reasks += 1
                 self.reasked += 1
                 out.append(self._request(i))
@@ -208,7 +206,7 @@ class ModelDownload:
         i = self._next
         while i < self.chunks and (outstanding == 0 or outstanding + self._chunk_len(i) <= budget_bytes):
             if not self._have[i] and i not in self._asked:
-                self._asked[i] = self._first_asked[i] = now
+                self._asked[i] = (now, now)
                 outstanding += self._chunk_len(i)
                 out.append(self._request(i))
             i += 1
@@ -268,8 +266,7 @@ class ModelDownload:
             )
             return None, None
         self.mass = msg.mass  # the version's, on every chunk of it (edge/drift.py reads it)
-        asked_at = self._asked.pop(i, None)
-        first = self._first_asked.pop(i, None)
+        first, asked_at = self._asked.pop(i, (None, None))
         if first is not None:
             self.answered_upto = max(self.answered_upto, first)
         if self._have[i]:
@@ -379,8 +376,6 @@ class ModelDownload:
         self._missing = self.chunks
         if not keep_asked:
             self._asked.clear()
-            self._first_asked.clear()
         for i in [i for i in self._asked if i >= self.chunks]:  # of a larger layout: never answered
             del self._asked[i]
-            self._first_asked.pop(i, None)
         self._next = 0
