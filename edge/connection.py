@@ -20,7 +20,7 @@ import itertools
 import logging
 import math
 from collections import OrderedDict
-from typing import Any
+from typing import Any, NamedTuple
 
 from elasticfed.common.link import Backoff
 from elasticfed.common.metrics import Counter
@@ -31,6 +31,15 @@ log = logging.getLogger("elasticfed.edge")
 
 MAX_QUEUED_SILENCE_S = 60.0  # queued bytes lengthen the silence tolerated by at most this
 _PROBES_KEPT = 256  # answers to older heartbeats no longer matter
+
+
+class Probe(NamedTuple):
+    """A heartbeat sent: when, and whether nothing was queued ahead of it either way."""
+
+    sent_at: float
+    quiet: bool
+
+
 _FAILURE_LOG_EVERY_S = 10.0  # libzmq retries a failed handshake quickly; say it now and then
 
 
@@ -60,7 +69,7 @@ class Connection:
         self._handshake_failures = handshake_failures
         self._last_failure_log = -math.inf
         self._nonce = itertools.count(1)
-        self._probes: OrderedDict[int, float] = OrderedDict()  # heartbeat nonce -> send time
+        self._probes: OrderedDict[int, Probe] = OrderedDict()  # by heartbeat nonce
 
     # ------------------------------------------------------------ the connection
     def open(self, now: float) -> None:
@@ -108,17 +117,18 @@ class Connection:
         """Nothing sent for a heartbeat: time to show the gateway this edge is alive."""
         return now - self.last_send >= self.heartbeat_s
 
-    def probe(self, now: float, resolved_below: int) -> None:
-        """A heartbeat: its answer times the path and proves what was sent before it arrived."""
+    def probe(self, now: float, resolved_below: int, quiet: bool = False) -> None:
+        """A heartbeat: its answer proves what was sent before it arrived, and if `quiet` (the
+        caller had nothing queued on the link either way) times the path."""
         nonce = next(self._nonce)
-        self._probes[nonce] = now
+        self._probes[nonce] = Probe(now, quiet)
         while len(self._probes) > _PROBES_KEPT:
             self._probes.popitem(last=False)
         self.send(encode(Heartbeat(nonce=nonce, resolved_below=resolved_below)), now)
 
-    def probe_sent_at(self, nonce: int) -> float:
-        """When the heartbeat answered with `nonce` was sent (-inf: not one of ours, or forgotten)."""
-        return self._probes.pop(nonce, -math.inf)
+    def probe_answered(self, nonce: int) -> Probe:
+        """The heartbeat answered with `nonce` (sent at -inf: not one of ours, or forgotten)."""
+        return self._probes.pop(nonce, Probe(-math.inf, False))
 
     # -------------------------------------------------------------------- events
     def up_events(self, now: float) -> bool:

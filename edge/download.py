@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy
 import torch
@@ -50,6 +51,23 @@ from elasticfed.protocol import (
 from elasticfed.protocol.payload import Sparse
 
 log = logging.getLogger("elasticfed.edge")
+
+
+class Asks(NamedTuple):
+    """When a chunk was first and last asked for (the same time if asked once)."""
+
+    first: float
+    last: float
+
+    @property
+    def timed_from(self) -> float | None:
+        """The send time its answer times the link by; None when asked more than once.
+
+        Which ask an answer is to is unknown then (Karn's rule, as TCP's round-trip timer):
+        timed from the last, a chunk asked again just before its first answer came read as 20
+        Mbit/s on a 5 Mbit/s link.
+        """
+        return self.first if self.first == self.last else None
 
 
 @dataclass
@@ -220,8 +238,8 @@ class ModelDownload:
         return min(self.chunk_bytes, self.size - i * self.chunk_bytes)
 
     # --------------------------------------------------------------- chunks
-    def on_chunk(self, msg: ModelChunk, now: float) -> tuple[Model | None, float | None]:
-        """Keep a chunk; (the finished model or None, when the chunk was asked for or None)."""
+    def on_chunk(self, msg: ModelChunk, now: float) -> tuple[Model | None, Asks | None]:
+        """Keep a chunk; (the finished model or None, when it was asked for or None)."""
         whole = self.manifest.blob_bytes
         if msg.base_digest and msg.version <= self.public_version:
             return None, None  # a late or duplicated answer about a patch already applied
@@ -266,12 +284,13 @@ class ModelDownload:
             )
             return None, None
         self.mass = msg.mass  # the version's, on every chunk of it (edge/drift.py reads it)
-        first, asked_at = self._asked.pop(i, (None, None))
-        if first is not None:
-            self.answered_upto = max(self.answered_upto, first)
+        pair = self._asked.pop(i, None)
+        asked = None if pair is None else Asks(*pair)
+        if asked is not None:
+            self.answered_upto = max(self.answered_upto, asked.first)
         if self._have[i]:
             self.stats.duplicates += 1
-            return None, asked_at
+            return None, asked
         assert self._buffer is not None
         start = msg.offset
         # numpy reads a read-only receive buffer as it is (torch.frombuffer would warn about it).
@@ -281,8 +300,8 @@ class ModelDownload:
         self.stats.chunks += 1
         self.stats.bytes += len(msg.data)
         if self._missing:
-            return None, asked_at
-        return self._finish(now), asked_at
+            return None, asked
+        return self._finish(now), asked
 
     def _finish(self, now: float) -> Model | None:
         assert self._buffer is not None

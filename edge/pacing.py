@@ -48,8 +48,9 @@ class LinkMeter:
         self.queue_s = queue_s
         self.min_budget = min_budget
         self.measured = False
-        # The path's round trip, the smallest seen (small messages, the handshake): a sample taken
-        # on an idle link holds it, and a long but empty path is not a slow one.
+        # The path's round trip, the smallest seen (observe_rtt: the owner passes only small
+        # messages sent with nothing of its own queued either way, or a sample holding queueing
+        # makes every lone answer read fast); a long but empty path is not a slow one.
         self.rtt = 0.0
         self._rtt_seen = False
         self._last_answer = float("-inf")
@@ -71,16 +72,14 @@ class LinkMeter:
         that queued behind traffic the other way (or a busy gateway) come in bunches, and a gap
         of a millisecond once read as 80 Mbit/s on a 10 Mbit/s link sent its edge's pushes into
         30 s queues.  A message sent onto an idle link starts a run; its own time also holds the
-        round trip (less the smallest seen): a lower bound, used only while nothing better is
-        known or when it is above the estimate.
+        round trip (less the smallest seen, a lower bound as long as that was measured on a quiet
+        path), used only while nothing better is known or when it is above the estimate.  Its
+        own small answers say nothing of the round trip: the other direction may have held them
+        (model patches of 10-30 KB took 50 ms at 5 Mbit/s; taken as the round trip, every larger
+        answer read 6.4 Mbit/s).
         """
         busy = sent_at <= self._last_answer
         self._last_answer = now
-        if not busy and nbytes < RATE_SAMPLE_MIN_BYTES:
-            # Less its time on the link at the rate believed (a lower bound, so this errs short):
-            # model patches of 10-30 KB took 50 ms at 5 Mbit/s, and taken whole as the round
-            # trip that was subtracted from every larger answer's time (6.4 Mbit/s measured).
-            self.observe_rtt(now - sent_at - nbytes / self.rate)
         if sent_at < self._runs_from:
             return  # sent before a probe began: it would dilute the probe's run
         if not busy:

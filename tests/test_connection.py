@@ -77,14 +77,19 @@ def test_a_heartbeats_answer_names_when_it_was_sent() -> None:
     router.open()
     connection, _ = _connection(hub)
     connection.open(now=0.0)
-    connection.probe(now=5.0, resolved_below=42)
-    received = router.receive()
-    assert received is not None
-    beat = decode(received.frames)
-    assert isinstance(beat, Heartbeat) and beat.resolved_below == 42
-    assert connection.probe_sent_at(beat.nonce) == 5.0
-    assert connection.probe_sent_at(beat.nonce) == -math.inf  # used once
-    assert connection.probe_sent_at(beat.nonce + 1000) == -math.inf  # not ours
+    connection.probe(now=5.0, resolved_below=42, quiet=True)
+    connection.probe(now=6.0, resolved_below=42)
+    beats = []
+    for _ in range(2):
+        received = router.receive()
+        assert received is not None
+        beats.append(decode(received.frames))
+    beat, busy = beats
+    assert isinstance(beat, Heartbeat) and beat.resolved_below == 42 and isinstance(busy, Heartbeat)
+    assert connection.probe_answered(beat.nonce) == (5.0, True)
+    assert connection.probe_answered(busy.nonce) == (6.0, False)  # queued behind: no round trip
+    assert connection.probe_answered(beat.nonce).sent_at == -math.inf  # used once
+    assert connection.probe_answered(beat.nonce + 1000).sent_at == -math.inf  # not ours
 
 
 def test_handshake_failures_are_counted_every_time_and_logged_now_and_then(

@@ -232,6 +232,38 @@ def test_an_answer_to_a_chunk_asked_again_covers_only_its_first_ask() -> None:
     assert 0 in [o for _, o, _ in download.requests(2 * CHUNK, 3.1, math.inf, lost_after_s=2.0)]
 
 
+def test_a_chunk_asked_more_than_once_does_not_time_the_link() -> None:
+    """Karn's rule: an answer to a chunk asked twice may be to either ask.  Timed from the last,
+    a chunk asked again just before its first answer came read as 20 Mbit/s on a 5 Mbit/s link
+    (CI, stop 39), and the edge queued four times what the link could carry."""
+    torch.manual_seed(0)
+    big = 64 * 1024  # large enough to time (common.link.RATE_SAMPLE_MIN_BYTES)
+    manifest, data, digest = served(nn.Linear(256, 256), 3)  # 263 KB: 5 chunks
+    download = ModelDownload(manifest, big)
+    download.start(3)
+    rate = big / 0.5  # the link carries a chunk in half a second
+    meter = LinkMeter(initial_bps=rate)
+    assert [o for _, o, _ in download.requests(2 * big, 0.0, math.inf)] == [0, big]
+    assert len(download.requests(2 * big, 0.9, math.inf, lost_before=0.8, lost_after_s=0.5)) == 2
+    # The answers to the first asks: at the link's rate from 0.0, a moment after the second asks.
+    for offset, at in ((0, 0.5), (big, 1.0)):
+        _, asked = download.on_chunk(answer(data, digest, 3, offset, big), at)
+        assert asked is not None and (asked.first, asked.last) == (0.0, 0.9)
+        assert asked.timed_from is None
+    # Asked once: timed from that ask, and the meter reads the link's rate, not more.
+    later = download.requests(2 * big, 2.0, math.inf)
+    assert [o for _, o, _ in later] == [2 * big, 3 * big]
+    for k, (_, offset, length) in enumerate(later):
+        _, asked = download.on_chunk(answer(data, digest, 3, offset, length), 2.5 + 0.5 * k)
+        assert asked is not None and asked.timed_from == 2.0
+        meter.answered(length, asked.timed_from, 2.5 + 0.5 * k)
+    assert meter.measured and rate * 0.99 <= meter.rate <= rate * 1.01
+    # What the session would have read timing the re-asked chunks from their last ask.
+    wrong = LinkMeter(initial_bps=rate)
+    wrong.answered(big, 0.9, 1.0)
+    assert wrong.rate > 4 * rate
+
+
 def test_requests_of_a_larger_layout_are_dropped_when_a_smaller_patch_replaces_it() -> None:
     """Kept, they were asked again at lengths of 0 and below (refused by the gateway as malformed)."""
     model = make_model()

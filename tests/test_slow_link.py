@@ -123,11 +123,12 @@ def test_a_multi_megabyte_model_over_5_mbit_links_trains_without_reconnects_or_s
     assert stale <= 0.05 * produced, figures
     assert set(gw["rejected_by_reason"]) <= {"stale"}, figures
     assert gw["accuracy"] >= 0.8, figures
-    # The measured rates are those of the link (tbf), within what TCP over it achieves.  Since
-    # every model comes as a patch (one 100-130 KB answer each) the downlink reads high: 5.7-6.4
-    # on this 5 Mbit/s link, 4 edges in 2 runs (the estimate is the largest recent sample, and one
-    # answer's sample holds the tbf burst and the round trip's error); whole models read 4.3-4.9.
-    # The bias is open; this bounds it.
+    # The measured rates are those of the link (tbf), within what TCP over it achieves: every
+    # model comes as a patch (one 100-140 KB answer each), timed alone, less the path's round
+    # trip.  It read 5.7-7.4, once 19.9 (CI): a chunk asked twice was timed from its second ask,
+    # and round trips of heartbeats queued behind patches (56 ms on a 2 ms path) were subtracted
+    # from every patch's time.  Now 5.1-5.6 (6 edges in 3 runs); the bound leaves room for the
+    # tbf's 16 KB burst, which a smaller patch crosses at once.
     for mbit in figures["downlink_mbit"]:
         assert mbit is not None and 2.0 <= mbit <= 7.0, figures
 
