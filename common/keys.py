@@ -27,6 +27,7 @@ import stat
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -207,22 +208,43 @@ class KeyFolder:
 
     def enrol(self, name: str, key_file: str | os.PathLike[str], force: bool = False) -> Path:
         """Allow the device whose public key is in `key_file` (a .key or .key_secret file) as `name`."""
-        check_name(name)
-        if name == GATEWAY_NAME:
-            raise KeyFileError(f"{name!r} is the gateway's own name; choose another device name")
+        return self.enrol_many([(name, key_file)], force=force)[0]
+
+    def enrol_many(
+        self, devices: Sequence[tuple[str, str | os.PathLike[str]]], force: bool = False
+    ) -> list[Path]:
+        """Enrol (name, key file) pairs: all checked first (nothing is enrolled if one is wrong),
+        the folder read once.  One at a time, 10,000 devices read the folder 10,000 times."""
         self._need_folder()
-        public = read_key_file(key_file).public  # only the public half is ever copied
-        for entry in self.entries():
-            if entry.status == "enrolled" and entry.public == public.decode() and entry.name != name:
-                raise KeyFileError(f"{key_file}: this key is enrolled already, as {entry.name!r}")
-        target = self.enrolled_dir / f"{name}{PUBLIC_SUFFIX}"
-        if target.exists() and read_key_file(target).public != public and not force:
-            raise KeyFileError(
-                f"{target}: device {name!r} is enrolled with another key (pass --force to replace it)"
-            )
-        (self.revoked_dir / f"{name}{PUBLIC_SUFFIX}").unlink(missing_ok=True)
-        _write_atomic(target, _render(name, public, None), 0o644, replace=True)
-        return target
+        by_key = {e.public: e.name for e in self.entries() if e.status == "enrolled"}
+        batch: dict[str, tuple[str, bytes]] = {}  # public key -> (name, file)
+        names: dict[str, str] = {}
+        planned = []
+        for name, key_file in devices:
+            check_name(name)
+            if name == GATEWAY_NAME:
+                raise KeyFileError(f"{name!r} is the gateway's own name; choose another device name")
+            if name in names:
+                raise KeyFileError(f"{key_file}: device {name!r} is enrolled from {names[name]} as well")
+            names[name] = str(key_file)
+            public = read_key_file(key_file).public  # only the public half is ever copied
+            other = by_key.get(public.decode())
+            if other is not None and other != name:
+                raise KeyFileError(f"{key_file}: this key is enrolled already, as {other!r}")
+            twin = batch.get(public.decode())
+            if twin is not None:
+                raise KeyFileError(f"{key_file}: the same key as {twin[1]!r} (enrolled as {twin[0]!r})")
+            batch[public.decode()] = (name, str(key_file))
+            target = self.enrolled_dir / f"{name}{PUBLIC_SUFFIX}"
+            if target.exists() and read_key_file(target).public != public and not force:
+                raise KeyFileError(
+                    f"{target}: device {name!r} is enrolled with another key (pass --force to replace it)"
+                )
+            planned.append((name, public, target))
+        for name, public, target in planned:
+            (self.revoked_dir / f"{name}{PUBLIC_SUFFIX}").unlink(missing_ok=True)
+            _write_atomic(target, _render(name, public, None), 0o644, replace=True)
+        return [target for _, _, target in planned]
 
     def revoke(self, name: str) -> Path:
         """Move the key out of enrolled/: new handshakes fail, the gateway refuses its messages."""
@@ -258,6 +280,9 @@ class KeyFolder:
             )
 
 
+_RACY_NS = 2_000_000_000  # a folder changed this recently may change again within its timestamp's tick
+
+
 class EnrolledDevices:
     """The live allow-list: public key -> device name, re-read when `enrolled/` changes.
 
@@ -266,10 +291,23 @@ class EnrolledDevices:
     it to the folder at once (a device enrolled a moment ago must not be refused).
     A file that cannot be read is left out (see `problems`) rather than
     stopping the gateway.
+
+    Fleet-sized: every message asks, so a check costs one stat of the folder
+    (enrolling, revoking and the kubelet's swap of a mounted ConfigMap all change
+    it); the folder is listed only when it changed, when it changed too recently
+    for its timestamp to tell (as git treats racily clean files), or every
+    `full_scan_s` (a key file edited in place changes no folder); and only key
+    files that changed are read.  Listing and reading 10,000 keys on every check
+    took 34 ms four times a second, and 240 ms after each enrolment, on the
+    gateway's serving thread.
     """
 
     def __init__(
-        self, folder: str | os.PathLike[str], refresh_s: float = 0.25, miss_gap_s: float = 0.05
+        self,
+        folder: str | os.PathLike[str],
+        refresh_s: float = 0.25,
+        miss_gap_s: float = 0.05,
+        full_scan_s: float = 10.0,
     ) -> None:
         self.folder = Path(folder)
         if not self.folder.is_dir():
@@ -282,13 +320,18 @@ class EnrolledDevices:
             )
         self.refresh_s = refresh_s
         self.miss_gap_s = miss_gap_s  # a key not found re-checks the folder at most this often
+        self.full_scan_s = full_scan_s
         self._lock = threading.Lock()
-        self._signature: tuple = ()
+        self._folder_seen: tuple[int, ...] = ()  # the folder's stat when last listed
+        self._scanned = -1e18
+        self._files: dict[str, tuple[tuple[int, ...], bytes | None, str]] = {}  # name -> (stat, key, problem)
         self._checked = -1e18
         self._by_key: dict[bytes, str] = {}
         self._names: frozenset[str] = frozenset()
         self.problems: list[str] = []
         self.reloads = 0
+        self.scans = 0  # listings of the folder
+        self.files_read = 0
         self.refresh(force=True)
 
     def refresh(self, force: bool = False) -> bool:
@@ -300,35 +343,52 @@ class EnrolledDevices:
                 return False
             self._checked = now
         try:
+            st = os.stat(self.folder)  # through a symlink: the kubelet swaps ..data
+        except OSError as exc:
+            self.problems = [f"{self.folder}: cannot read ({exc}); keeping the previous list"]
+            return False
+        seen = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+        racy = time.time_ns() - st.st_mtime_ns < _RACY_NS
+        if seen == self._folder_seen and not racy and now - self._scanned < self.full_scan_s:
+            return False
+        try:
             with os.scandir(self.folder) as it:
-                files = sorted(
-                    (e.name, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
+                files = {
+                    e.name: (st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
                     for e in it
                     if e.name.endswith(PUBLIC_SUFFIX) and not e.name.startswith(".")
                     for st in (e.stat(),)
-                )
+                }
         except OSError as exc:
             self.problems = [f"{self.folder}: cannot list ({exc}); keeping the previous list"]
             return False
-        signature = tuple(files)
-        if signature == self._signature:
+        self.scans += 1
+        with self._lock:
+            known = dict(self._files)
+        if files.keys() == known.keys() and all(known[n][0] == sig for n, sig in files.items()):
+            with self._lock:
+                self._folder_seen, self._scanned = seen, now
             return False
-        by_key: dict[bytes, str] = {}
-        problems = []
-        for name, *_ in files:
+        entries = {}
+        for name, sig in files.items():
+            old = known.get(name)
+            if old is not None and old[0] == sig:
+                entries[name] = old
+                continue
+            self.files_read += 1
             device = name[: -len(PUBLIC_SUFFIX)]
             try:
                 check_name(device)
-                public = read_key_file(self.folder / name).public
+                entries[name] = (sig, read_key_file(self.folder / name).public, "")
             except KeyFileError as exc:
-                problems.append(str(exc))
-                continue
-            by_key[public] = device
+                entries[name] = (sig, None, str(exc))
+        by_key = {key: name[: -len(PUBLIC_SUFFIX)] for name, (_, key, _) in sorted(entries.items()) if key}
         with self._lock:
-            self._signature = signature
+            self._folder_seen, self._scanned = seen, now
+            self._files = entries
             self._by_key = by_key
             self._names = frozenset(by_key.values())
-            self.problems = problems
+            self.problems = [problem for _, _, problem in entries.values() if problem]
             self.reloads += 1
         return True
 

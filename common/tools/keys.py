@@ -18,10 +18,18 @@ import datetime
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from elasticfed.common.config import setting
 from elasticfed.common.exits import fail
-from elasticfed.common.keys import KeyFileError, KeyFolder, check_name, generate, read_key_file
+from elasticfed.common.keys import (
+    PUBLIC_SUFFIX,
+    KeyFileError,
+    KeyFolder,
+    check_name,
+    generate,
+    read_key_file,
+)
 
 
 def _name(value: str) -> str | None:
@@ -54,7 +62,9 @@ class KeysGenerateConfig:
 @dataclass(frozen=True)
 class KeysEnrolConfig:
     keys_dir: str = _keys_dir()
-    public_key: str = setting("", "the device's public key file (NAME.key)")
+    public_key: str = setting(
+        "", "the device's public key file (NAME.key), or a folder: every NAME.key in it, as NAME"
+    )
     name: str = setting("", "enrol under this device name (default: the name in the key file)", check=_name)
     force: bool = setting(False, "replace the key of a device enrolled under the same name")
 
@@ -115,11 +125,32 @@ def generate_pair(args: argparse.Namespace, config: KeysGenerateConfig) -> int:
 
 def enrol(args: argparse.Namespace, config: KeysEnrolConfig) -> int:
     def action() -> list[str]:
+        if Path(config.public_key).is_dir():
+            return enrol_folder()
         name = config.name or read_key_file(config.public_key).name
         if not name:
             raise KeyFileError(f"{config.public_key} names no device; pass --name")
         path = KeyFolder(config.keys_dir).enrol(name, config.public_key, force=config.force)
         return [f"enrolled {name}: {path}"]
+
+    def enrol_folder() -> list[str]:
+        """A fleet at once: every device's key checked before any is enrolled."""
+        if config.name:
+            raise KeyFileError(
+                f"--name names one device; the keys in {config.public_key} are enrolled under the "
+                "names their files hold"
+            )
+        files = sorted(Path(config.public_key).glob(f"*{PUBLIC_SUFFIX}"))
+        if not files:
+            raise KeyFileError(f"{config.public_key}: no public key files (*{PUBLIC_SUFFIX}) in this folder")
+        devices = []
+        for path in files:
+            name = read_key_file(path).name
+            if not name:
+                raise KeyFileError(f"{path} names no device; enrol it alone with --name")
+            devices.append((name, path))
+        KeyFolder(config.keys_dir).enrol_many(devices, force=config.force)
+        return [f"enrolled {len(devices)} devices from {config.public_key}"]
 
     return _run("enrol", {"keys_dir": config.keys_dir, "public_key": config.public_key}, action)
 
