@@ -252,3 +252,25 @@ def test_edge_memory_quick_holds_through_an_outage(tmp_path: Path) -> None:
     # caches its count and syncs it every 64 page faults (up to 256 KiB a thread; measured: a
     # peak of 552.0 MB sampled, a high-water mark of 551.8 MB read later).
     assert figures["hwm_mb"] >= figures["peak_rss_outage_mb"] - 4.0, figures
+
+
+@pytest.mark.slow
+def test_fleet_benchmark_quick_counts_every_push_of_a_churning_lossy_fleet_once() -> None:
+    result = subprocess.run(
+        [sys.executable, "benchmarks/fleet.py", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    f = json.loads(result.stdout.strip().splitlines()[-1])
+    assert f["devices"] == f["welcomed"] == 200, f
+    # 5% of messages lost each way and devices leaving mid-push: every push still answered, and for
+    # every device and layer the gateway applied or dropped as stale exactly what it produced.
+    assert f["unanswered"] == 0 and f["audit_exact"] is True, (f, result.stderr[-3000:])
+    assert f["churn_departures"] > 0, f
+    assert f["pushes_per_s_1"] > 0 and f["pushes_per_gateway_cpu_s_1"] > 0, f
+    assert 0 < f["p50_ack_ms"] <= f["p99_ack_ms"], f
+    assert isinstance(f["rss_kib_per_device"], float) and f["versions"] > 1, f
+    assert f["scale_ratio"] is None and "shards" in f["not_measured"]  # not built: null, and why
