@@ -45,6 +45,45 @@ log = logging.getLogger("elasticfed.gateway")
 KIND = "elasticfed-gateway"
 MODEL_PREFIX = "model/"
 EMA_PREFIX = "ema/"  # the average of the published versions the gateway reports (cloud/ema.py)
+APPLIED_KEY = "audit/applied_steps"  # StepCounts.counts; its index is the meta's applied_steps_index
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """Step-gradients applied per client and layer (the audit's history), as one int64 table.
+
+    A table, not a map of maps: written as JSON, 10,000 devices times 101 layer names made the
+    checkpoint's metadata 1 M entries, checked and serialised on the gateway's serving thread.
+    """
+
+    layers: tuple[str, ...]
+    clients: tuple[str, ...]
+    counts: torch.Tensor  # int64 [clients, layers]
+
+    def __post_init__(self) -> None:
+        shape = (len(self.clients), len(self.layers))
+        if self.counts.dtype != torch.int64 or tuple(self.counts.shape) != shape:
+            raise CheckpointError(
+                f"applied steps: a {self.counts.dtype} table of shape {list(self.counts.shape)} for "
+                f"{len(self.clients)} clients and {len(self.layers)} layers (int64 expected)"
+            )
+
+    @classmethod
+    def empty(cls, layers: tuple[str, ...] = ()) -> StepCounts:
+        return cls(layers, (), torch.zeros(0, len(layers), dtype=torch.int64))
+
+    @classmethod
+    def of(cls, layers: tuple[str, ...], by_client: dict[str, list[int]]) -> StepCounts:
+        """From per-client counts in `layers`' order (the gateway's own form)."""
+        if not by_client:
+            return cls.empty(layers)
+        counts = torch.tensor(list(by_client.values()), dtype=torch.int64)
+        return cls(layers, tuple(by_client), counts.reshape(len(by_client), len(layers)))
+
+    def by_client(self) -> dict[str, dict[str, int]]:
+        """client -> layer -> count, the counts that are not 0."""
+        rows = self.counts.tolist()
+        return {c: {n: k for n, k in zip(self.layers, row) if k} for c, row in zip(self.clients, rows)}
 
 
 @dataclass
@@ -65,7 +104,7 @@ class GatewayState:
     epoch: int
     clients: dict[str, ClientState]  # resolved_below and verdicts (routes are this instance's)
     lineage: dict[str, int]  # instance -> the newest checkpoint it wrote, that this descends from
-    applied_steps: dict[str, dict[str, int]]  # client -> layer -> step-gradients applied (audit)
+    applied_steps: StepCounts  # step-gradients applied per client and layer (the audit)
     ema: tuple[dict[str, torch.Tensor], int] | None = None  # (average, versions folded); None: none
     # The version edges were served (None: `version`).  Differs in hybrid mode, where `version`
     # counts rounds and the trainer's publishes number what edges download (cloud/hybrid.py).
@@ -198,6 +237,7 @@ def encode(state: GatewayState, lineage_max: int = 1024) -> tuple[dict[str, torc
     if state.ema is not None:
         averaged, ema_count = state.ema
         tensors.update({EMA_PREFIX + n: t for n, t in averaged.items()})
+    tensors[APPLIED_KEY] = state.applied_steps.counts
     clients = {
         cid: {
             "resolved_below": client.resolved_below,
@@ -218,12 +258,35 @@ def encode(state: GatewayState, lineage_max: int = 1024) -> tuple[dict[str, torc
         "optimizer": state.optimizer_meta,
         "clients": clients,
         "lineage": lineage,
-        "applied_steps": {cid: dict(by_layer) for cid, by_layer in state.applied_steps.items()},
+        "applied_steps_index": {
+            "clients": list(state.applied_steps.clients),
+            "layers": list(state.applied_steps.layers),
+        },
         "ema_count": ema_count,  # None: no average saved (tensors under EMA_PREFIX otherwise)
     }
     if state.served_version is not None:
         meta["served_version"] = state.served_version
     return tensors, meta
+
+
+def _applied_steps(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> StepCounts:
+    index = meta.get("applied_steps_index")
+    if index is None:  # written before the table: client -> layer -> count in the JSON
+        by_layer = meta["applied_steps"]
+        layers = tuple(sorted({str(n) for counts in by_layer.values() for n in counts}))
+        column = {n: j for j, n in enumerate(layers)}
+        rows = [[0] * len(layers) for _ in by_layer]
+        for row, counts in zip(rows, by_layer.values()):
+            for name, n in counts.items():
+                row[column[str(name)]] = int(n)
+        table = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), len(layers))
+        return StepCounts(layers, tuple(str(c) for c in by_layer), table)
+    counts = tensors.get(APPLIED_KEY)
+    if counts is None:
+        raise CheckpointError(f"applied_steps_index without the {APPLIED_KEY} tensor")
+    if counts.numel() and int(counts.min()) < 0:
+        raise CheckpointError("applied steps: a negative count")
+    return StepCounts(tuple(map(str, index["layers"])), tuple(map(str, index["clients"])), counts)
 
 
 def decode(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> GatewayState:
@@ -250,17 +313,18 @@ def decode(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> GatewaySta
     return GatewayState(
         manifest=str(meta.get("manifest")),
         model={k[len(MODEL_PREFIX) :]: t for k, t in tensors.items() if k.startswith(MODEL_PREFIX)},
-        optimizer_tensors={k: t for k, t in tensors.items() if not k.startswith((MODEL_PREFIX, EMA_PREFIX))},
+        optimizer_tensors={
+            k: t
+            for k, t in tensors.items()
+            if not k.startswith((MODEL_PREFIX, EMA_PREFIX)) and k != APPLIED_KEY
+        },
         optimizer_meta=meta["optimizer"],
         version=int(meta["version"]),
         round=int(meta["round"]),
         epoch=int(epoch),
         clients=clients,
         lineage={str(k): int(v) for k, v in meta["lineage"].items()},
-        applied_steps={
-            str(cid): {str(name): int(n) for name, n in by_layer.items()}
-            for cid, by_layer in meta["applied_steps"].items()
-        },
+        applied_steps=_applied_steps(tensors, meta),
         ema=ema,
         served_version=int(meta["served_version"]) if meta.get("served_version") is not None else None,
     )

@@ -58,7 +58,7 @@ from elasticfed.cloud.aggregation import (
 from elasticfed.cloud.clients import ClientState
 from elasticfed.cloud.config import GatewaySettings
 from elasticfed.cloud.delivery import DeliveryPace
-from elasticfed.cloud.durability import Durability, GatewayCheckpoints, GatewayState
+from elasticfed.cloud.durability import Durability, GatewayCheckpoints, GatewayState, StepCounts
 from elasticfed.cloud.ema import ModelEma, accumulator_dtype
 from elasticfed.cloud.publication import PublicModel, downlink_ratio
 from elasticfed.cloud.verdicts import NORM_POLICIES, Verdict
@@ -1070,10 +1070,7 @@ class Gateway:
             epoch=epoch,
             clients={**self._dormant, **self.clients},
             lineage={**self.lineage, self.gateway_id: epoch},  # true once the state is on disk
-            applied_steps={
-                cid: {name: n for name, n in zip(self.names, counts) if n}
-                for cid, counts in self.applied_steps.items()
-            },
+            applied_steps=StepCounts.of(tuple(self.names), self.applied_steps),
             ema=ema,
             served_version=self.served_version,
         )
@@ -1118,7 +1115,9 @@ class Gateway:
                 t = state.ema[0].get(name)
                 if t is None or t.shape != param.shape or t.dtype != accumulator_dtype(param.dtype):
                     raise CheckpointError(f"averaged tensor {name} is missing or has another shape or dtype")
-        unknown = {n for by_layer in state.applied_steps.values() for n in by_layer} - set(self.layer_index)
+        applied = state.applied_steps
+        used = applied.counts.any(dim=0).tolist() if applied.clients else [False] * len(applied.layers)
+        unknown = {n for n, u in zip(applied.layers, used) if u} - set(self.layer_index)
         if unknown:
             raise CheckpointError(f"applied steps name layers this model lacks: {sorted(unknown)[:3]}")
         meta = state.optimizer_meta
@@ -1145,10 +1144,11 @@ class Gateway:
         self.durable_epoch = self._taken_epoch = state.epoch
         self.lineage = dict(state.lineage)
         self.applied_steps = {}
-        for cid, by_layer in state.applied_steps.items():
+        columns = [(j, self.layer_index[n]) for j, (n, u) in enumerate(zip(applied.layers, used)) if u]
+        for cid, row in zip(applied.clients, applied.counts.tolist()):
             counts = self.applied_steps[cid] = [0] * len(self.names)
-            for name, n in by_layer.items():
-                counts[self.layer_index[name]] = n
+            for j, i in columns:
+                counts[i] = row[j]
         self.version = state.version
         self.open = OpenRound(number=state.round, layers=len(self.params))
         self.clients = state.clients

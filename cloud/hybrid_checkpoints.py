@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from elasticfed.cloud.durability import (
+    APPLIED_KEY,
     EMA_PREFIX,
     MODEL_PREFIX,
     GatewayState,
@@ -317,9 +318,9 @@ class HybridCheckpoints(RoundCadence):
             t = model.get(name)
             if t is None or (tuple(t.shape), t.dtype) != spec:
                 raise CheckpointError(f"{path}: model tensor {name} is missing or has another shape or dtype")
-        gateway = decode(
-            {k: t for k, t in tensors.items() if k.startswith((MODEL_PREFIX, EMA_PREFIX))}, meta["gateway"]
-        )
+        mine = (MODEL_PREFIX, EMA_PREFIX)
+        ours = {k: t for k, t in tensors.items() if k.startswith(mine) or k == APPLIED_KEY}
+        gateway = decode(ours, meta["gateway"])
         position = Position(*(int(v) for v in meta["position"]))
         if min(position.epoch, position.batches, position.steps) < 0:
             raise CheckpointError(f"{path}: position {meta['position']} has a negative entry")
