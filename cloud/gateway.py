@@ -1116,7 +1116,7 @@ class Gateway:
                 if t is None or t.shape != param.shape or t.dtype != accumulator_dtype(param.dtype):
                     raise CheckpointError(f"averaged tensor {name} is missing or has another shape or dtype")
         applied = state.applied_steps
-        used = applied.counts.any(dim=0).tolist() if applied.clients else [False] * len(applied.layers)
+        used = applied.counts.any(dim=0).tolist()  # layers some client has steps in
         unknown = {n for n, u in zip(applied.layers, used) if u} - set(self.layer_index)
         if unknown:
             raise CheckpointError(f"applied steps name layers this model lacks: {sorted(unknown)[:3]}")
