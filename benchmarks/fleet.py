@@ -128,6 +128,8 @@ def _gateway_main(keys_dir: str, ckpt_dir: str, settings: dict[str, Any], out: A
                 "applied": status["history_applied_steps"],
                 "dropped": metrics.get("gateway_dropped_stale_steps_total", {}),
                 "rejected": metrics.get("gateway_rejected_total", {}),
+                "duplicates": sum(metrics.get("gateway_duplicates_total", {}).values()),
+                "pushes": sum(metrics.get("gateway_pushes_total", {}).values()),
             },
         )
     )
@@ -575,6 +577,8 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     gw.join(60)
     assert kind == "status"
     figures["versions"] = status["version"]
+    figures["gateway_pushes"] = status["pushes"]
+    figures["gateway_duplicates"] = status["duplicates"]  # copies answered from the header alone
     exact = _audit(status, produced)  # over what was answered; an unanswered push is not yet counted
     figures["audit_exact"] = figures["unanswered"] == 0 and exact
     figures.update(

@@ -75,6 +75,7 @@ from elasticfed.protocol import (
     Dense,
     Heartbeat,
     Hello,
+    LayerGradient,
     LayerTensor,
     Limits,
     Manifest,
@@ -94,6 +95,7 @@ from elasticfed.protocol import (
     encode,
     frame_bytes,
     limits_for,
+    peek_push,
 )
 
 log = logging.getLogger("elasticfed.gateway")
@@ -617,6 +619,9 @@ class Gateway:
             if not rate.allow(size, now):
                 self._refuse(route, who, Reason.RATE_LIMITED, "over the rate limit; slow down", now)
                 return
+        state = self.clients.get(client) if client else None
+        if state is not None and state.welcomed and self._answered_before(route, state, body, size, now):
+            return
         try:
             msg = decode(body, limits=self.limits, manifest=self.manifest)
         except ProtocolError as exc:
@@ -625,7 +630,6 @@ class Gateway:
         if isinstance(msg, Hello):
             self._on_hello(route, msg, now, identity)
             return
-        state = self.clients.get(client) if client else None
         if state is None or not state.welcomed:
             self.metrics.rejected.inc(who or "?", Reason.NOT_WELCOMED.value)
             if isinstance(msg, Push):
@@ -765,6 +769,26 @@ class Gateway:
         self.delivery.forget(oldest.client_id)
         return True
 
+    def _answered_before(
+        self, route: bytes, state: ClientState, body: list[Any], size: int, now: float
+    ) -> bool:
+        """A copy of a push judged before, found from its header and answered again (True), its payload
+        never decoded: a duplicate must cost far less than the push it repeats (`peek_push`)."""
+        head = peek_push(body, self.limits)
+        if head is None:
+            return False
+        state.resolve_below(head.resolved_below)
+        verdict = verdicts.repeated(state, head, self.durable_epoch)
+        if verdict is None:
+            return False
+        state.last_seen = now
+        self.last_heard_at = now
+        self.delivery.arrived(state.client_id, size, now)
+        self.metrics.bytes.inc(state.client_id, by=size)
+        self.metrics.pushes.inc(state.client_id)
+        self._answer(route, state, head.seq, (), verdict, now)
+        return True
+
     def _on_push(self, route: bytes, state: ClientState, msg: Push, now: float) -> None:
         """Judge a push by the checks in order (cloud/verdicts.py), the first verdict wins; a push
         that passes them all enters the open round.  Then record, count and answer, in one place."""
@@ -775,7 +799,7 @@ class Gateway:
         )
         if verdict is None:
             verdict = self._admit(state, msg, now)
-        self._answer(route, state, msg, verdict, now)
+        self._answer(route, state, msg.seq, msg.layers, verdict, now)
 
     def _admit(self, state: ClientState, msg: Push, now: float) -> Verdict:
         """Staleness, then the payload's bounds; a push that passes enters the open round."""
@@ -839,21 +863,30 @@ class Gateway:
             count = max(count, layer.count)
         self.open.record(cid, indices, count, staleness, now, self.delivery.delivery_s(cid), state.fetch_s)
 
-    def _answer(self, route: bytes, state: ClientState, msg: Push, verdict: Verdict, now: float) -> None:
-        """Carry out a verdict: remember it under the seq, count and log it, acknowledge it."""
+    def _answer(
+        self,
+        route: bytes,
+        state: ClientState,
+        seq: int,
+        layers: Sequence[LayerGradient],
+        verdict: Verdict,
+        now: float,
+    ) -> None:
+        """Carry out a verdict on push `seq` (of `layers`): remember it under the seq, count and log
+        it, acknowledge it."""
         cid = state.client_id
         if verdict.repeat:
             self.metrics.duplicates.inc(cid)
         if verdict.recorded:
-            state.record(msg.seq, "" if verdict.accepted else verdict.code, verdict.attempt, verdict.epoch)
+            state.record(seq, "" if verdict.accepted else verdict.code, verdict.attempt, verdict.epoch)
         if verdict.code == Reason.STALE.value and not verdict.repeat:
-            for layer in msg.layers:
+            for layer in layers:
                 self.metrics.dropped_stale.inc(cid, layer.name, by=layer.count)
         if verdict.logged:
             self._refusals.warn(cid, verdict.code, verdict.detail, now)
         self._ack(
             route,
-            msg.seq,
+            seq,
             verdict.accepted,
             verdict.code or None,
             verdict.detail,

@@ -16,7 +16,7 @@ import torch
 
 from elasticfed.cloud.aggregation import Weighting, entries
 from elasticfed.cloud.clients import ClientState
-from elasticfed.protocol import Dense, Push, Reason, all_finite
+from elasticfed.protocol import Dense, Push, PushHead, Reason, all_finite
 
 # An edge part-way through a download is judged by the version it is fetching for this long
 # after its last chunk request; never beyond this many times max_staleness (avoidable_staleness).
@@ -51,7 +51,7 @@ class Verdict:
         return cls(False, reason.value, detail, attempt, recorded=recorded, logged=logged)
 
 
-def repeated(state: ClientState, msg: Push, durable_epoch: int) -> Verdict | None:
+def repeated(state: ClientState, msg: Push | PushHead, durable_epoch: int) -> Verdict | None:
     """A push judged before gets its first verdict again, never a second application.
 
     Below `resolved_below` the verdict is forgotten: the push was judged in this model's history, at

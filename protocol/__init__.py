@@ -7,11 +7,13 @@ from elasticfed.protocol import blob
 from elasticfed.protocol.codec import (
     DEFAULT_LIMITS,
     Limits,
+    PushHead,
     all_finite,
     decode,
     encode,
     frame_bytes,
     limits_for,
+    peek_push,
 )
 from elasticfed.protocol.errors import ProtocolError, Reason
 from elasticfed.protocol.manifest import LayerSpec, Manifest
@@ -63,6 +65,7 @@ __all__ = [
     "Payload",
     "ProtocolError",
     "Push",
+    "PushHead",
     "Quantized",
     "Reason",
     "Reject",
@@ -75,4 +78,5 @@ __all__ = [
     "encode",
     "frame_bytes",
     "limits_for",
+    "peek_push",
 ]

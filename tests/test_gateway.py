@@ -388,6 +388,31 @@ def test_a_reply_that_cannot_be_delivered_is_counted_not_lost_silently(gateway: 
     assert gateway.metrics.send_failures.get("peer_gone") == 1
 
 
+def test_a_copy_of_a_judged_push_is_answered_from_its_header_without_decoding_its_payload(
+    gateway: Gateway,
+) -> None:
+    """A re-sent push costs a header read, not a decode: its payload frames are never looked at.
+    Shown by a copy whose payload is garbage: answered as the duplicate it is, where the same
+    garbage under a new seq is refused as malformed."""
+    peer = Peer(gateway, "a")
+    peer.hello(gateway.manifest)
+    assert peer.push(1, grads_for(gateway, 1.0), count=3).accepted
+    layers = tuple(LayerGradient(n, Dense(g), 3) for n, g in grads_for(gateway, 1.0).items())
+    frames = [bytes(f) for f in encode(Push(seq=1, base_version=0, layers=layers, attempt=2))]
+    garbled = [frames[0]] + [b"\xff" * len(f) for f in frames[1:]]
+    peer.send_raw(garbled)
+    again = peer.recv()
+    assert isinstance(again, Ack) and again.seq == 1 and again.accepted
+    assert again.code == Reason.DUPLICATE.value and again.attempt == 0  # the first copy's verdict
+    assert [acc.count for acc in gateway.acc] == [3] * len(gateway.acc)
+    assert gateway.metrics.duplicates.get("a") == 1
+    fresh = [bytes(f) for f in encode(Push(seq=2, base_version=0, layers=layers))]
+    peer.send_raw([fresh[0]] + [b"\xff" * len(f) for f in fresh[1:]])
+    refused = peer.recv()
+    assert isinstance(refused, Reject) and refused.code == Reason.CHECKSUM.value, refused
+    assert [acc.count for acc in gateway.acc] == [3] * len(gateway.acc)
+
+
 def test_a_duplicate_of_a_stale_push_gets_the_same_verdict_and_is_counted_once(gateway: Gateway) -> None:
     peer = Peer(gateway, "a")
     peer.hello(gateway.manifest)

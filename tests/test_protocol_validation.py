@@ -29,6 +29,7 @@ from elasticfed.protocol import (
     TopK,
     decode,
     encode,
+    peek_push,
 )
 from elasticfed.protocol.payload import checksum
 
@@ -92,6 +93,31 @@ def test_good_push_decodes() -> None:
     assert said.lr == 0.05
     with pytest.raises(ProtocolError, match=r"push\.lr: expected a learning rate"):
         decode(edit_header(good_push(), lambda h: h.update(lr=-1)), manifest=MANIFEST)
+
+
+def test_a_push_s_numbers_are_read_from_its_header_alone() -> None:
+    frames = edit_header(good_push(), lambda h: h.update(seq=7, attempt=2, resolved_below=5))
+    head = peek_push([frames[0]])  # no payload frames: they are not read
+    assert (head.seq, head.attempt, head.resolved_below) == (7, 2, 5)
+    plain = peek_push(good_push())
+    assert (plain.seq, plain.attempt, plain.resolved_below) == (1, 0, 0)  # the wire's defaults
+    # Anything that is not a push `decode` would take is not peeked at: decoding it says why.
+    not_pushes = [
+        encode(Hello(client_id="a", manifest=MANIFEST, model_version=0, next_seq=1)),
+        edit_header(good_push(), lambda h: h.update(v=2)),
+        edit_header(good_push(), lambda h: h.update(v=True)),
+        edit_header(good_push(), lambda h: h.pop("seq")),
+        edit_header(good_push(), lambda h: h.update(seq=-1)),
+        edit_header(good_push(), lambda h: h.update(seq=True)),
+        edit_header(good_push(), lambda h: h.update(attempt="2")),
+        [b"\xc1"],  # not msgpack
+        [msgpack.packb([1, 2])],  # not a map
+        [],
+    ]
+    for frames in not_pushes:
+        assert peek_push(frames) is None, frames[:1]
+    big = edit_header(good_push(), lambda h: h.update(pad="x" * 200))
+    assert peek_push(big, Limits(max_header_bytes=128)) is None
 
 
 def test_a_model_chunk_says_a_step_mass_or_none() -> None:
