@@ -121,6 +121,10 @@ class SessionOptions:
     liveness: int = LIVENESS  # heartbeats of silence before the connection is replaced
     reconnect_first_s: float = 0.2
     reconnect_cap_s: float = 5.0
+    # Unanswered hellos on one connection are asked again after a wait that doubles up to this (with
+    # jitter): at a fixed 0.25 s, 10,000 edges waiting on a busy gateway sent it 40,000 hellos a
+    # second and it welcomed none in time (benchmarks/fleet.py).  A new connection says hello at once.
+    hello_cap_s: float = 30.0
     faults: Faults = field(default_factory=Faults)
     limits: Limits = DEFAULT_LIMITS
     settings: dict[str, object] = field(default_factory=dict)  # told to the gateway in hello
@@ -148,6 +152,8 @@ class SessionOptions:
             )
         if self.persist_every_s <= 0:
             raise ValueError("persist_every_s must be positive")
+        if not self.hello_cap_s > 0:
+            raise ValueError(f"hello_cap_s must be positive, got {self.hello_cap_s}")
         if not self.client_id:
             raise ValueError("client_id must not be empty")
         if len(self.client_id.encode()) > 255 or self.client_id.startswith("\x00"):
@@ -252,6 +258,8 @@ class EdgeSession:
         self._last_hello = -math.inf
         self._hello_quiet = False
         self._probe_s = min(options.heartbeat_s, options.timeout_s / 2)
+        self._hello_backoff = Backoff(self._probe_s, max(self._probe_s, options.hello_cap_s))
+        self._hello_wait_s = self._probe_s  # after the last hello, the next one if still unanswered
         # Lazy Pirate re-send interval for weak pushes, adapted by the acks' `attempt` echo.
         self._resend_min_s = options.timeout_s
         self._resend_max_s = options.heartbeat_s * options.liveness
@@ -422,7 +430,7 @@ class EdgeSession:
             times.extend(max(t, self._link_ready_at) for t in self.flights.resend_times())
         times.extend(self.flights.deadlines())
         if self.connection.up and not self.welcomed:
-            times.append(self._last_hello + self._probe_s)
+            times.append(self._last_hello + self._hello_wait_s)
         if self._cap_ready_at > now:
             times.append(self._cap_ready_at)
         if self._link_ready_at > now:  # something waits for the uplink's backlog to drain
@@ -469,6 +477,7 @@ class EdgeSession:
             resolved_below=self._resolved_below(),
         )
         self._last_hello, self._hello_quiet = now, self._quiet()
+        self._hello_wait_s = self._hello_backoff.next_delay()
         self._send(encode(hello), now)
 
     # ------------------------------------------------------------------- sending
@@ -731,6 +740,7 @@ class EdgeSession:
         restarted = new_instance and bool(self.gateway_id)
         self.gateway_id = msg.gateway_id
         self.welcomed = True
+        self._hello_backoff.reset()
         self.credit = _int_setting(msg.settings, "credit", 8)
         self.window = _int_setting(msg.settings, "window", 1024)
         self.commits = msg.settings.get("commits") is True
@@ -1052,7 +1062,7 @@ class EdgeSession:
             self._last_probe = now
             self.connection.probe(now, self._resolved_below())  # pushes are waiting: not quiet
         elif not self.welcomed:
-            if now - self._last_hello >= self._probe_s:  # Lazy Pirate: ask again until answered
+            if now - self._last_hello >= self._hello_wait_s:  # Lazy Pirate: ask again until answered
                 self._say_hello(now)
         elif self.connection.idle(now):
             self.connection.probe(now, self._resolved_below(), quiet=self._quiet())

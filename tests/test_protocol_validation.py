@@ -95,6 +95,15 @@ def test_good_push_decodes() -> None:
         decode(edit_header(good_push(), lambda h: h.update(lr=-1)), manifest=MANIFEST)
 
 
+def test_decoded_layer_names_are_the_manifest_s_strings_not_a_copy_per_message() -> None:
+    """What the gateway keeps per edge and layer is keyed by these names: one string per layer, not
+    one per edge (a copy each was 6.7 KB per edge of a 101-layer model)."""
+    ours = {spec.name: spec.name for spec in MANIFEST}
+    for _ in range(2):
+        msg = decode([bytes(f) for f in good_push()], manifest=MANIFEST)
+        assert all(layer.name is ours[layer.name] for layer in msg.layers)
+
+
 def test_a_push_s_numbers_are_read_from_its_header_alone() -> None:
     frames = edit_header(good_push(), lambda h: h.update(seq=7, attempt=2, resolved_below=5))
     head = peek_push([frames[0]])  # no payload frames: they are not read

@@ -13,6 +13,7 @@ import time
 from dataclasses import replace
 
 import torch
+import zmq
 from torch import nn
 
 from elasticfed.cloud.config import CloudConfig, GatewaySettings
@@ -21,6 +22,7 @@ from elasticfed.common.task import load_task
 from elasticfed.common.tasks.digits import build_model
 from elasticfed.edge.agent import ElasticEdge
 from elasticfed.edge.session import SessionOptions
+from elasticfed.protocol import Hello, decode
 
 
 def test_a_weak_push_over_tcp_leaves_the_io_thread_asleep() -> None:
@@ -71,3 +73,32 @@ def test_a_weak_push_over_tcp_leaves_the_io_thread_asleep() -> None:
         done.set()
         thread.join(10)
         gateway.close()
+
+
+def test_unanswered_hellos_are_asked_again_ever_more_slowly() -> None:
+    """A gateway too busy to answer must not be asked ever faster: retries on one connection back
+    off (doubling, jittered), or a fleet waiting on it multiplies its load (10,000 edges at a fixed
+    0.25 s sent 40,000 hellos a second).  The gateway here reads and never answers."""
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    options = SessionOptions(gateway=f"tcp://127.0.0.1:{port}", client_id="patient", heartbeat_s=1.0)
+    agent = ElasticEdge(build_model(), options)
+    hellos: list[float] = []
+    try:
+        start = time.monotonic()
+        # Within the silence the connection tolerates (heartbeat_s x liveness), so one connection.
+        while (now := time.monotonic()) < start + 4.5:
+            if router.poll(50):
+                frames = router.recv_multipart()
+                if isinstance(decode(frames[1:]), Hello):
+                    hellos.append(now)
+    finally:
+        agent.close()
+        router.close()
+    gaps = [b - a for a, b in zip(hellos, hellos[1:])]
+    # At the old fixed 0.25 s: 18 hellos; backing off from 0.125-0.25 s: at most 7 (the first two
+    # at once: at connect and when the link came up).
+    assert 3 <= len(hellos) <= 8, gaps
+    assert max(gaps) >= 1.0 and gaps[-1] >= gaps[1], gaps
