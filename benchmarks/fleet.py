@@ -26,7 +26,7 @@ Phases, all against the same gateway:
 1. connect: every device handshakes and says hello (time; gateway memory per
    device over the baseline, `rss_connected_kib_per_device`, and again after
    the drain, when no payload is in flight: `rss_kib_per_device`);
-2. saturate: a few hundred devices (`--saturating`) push again as soon as
+2. saturate: a few dozen devices (`--saturating`) push again as soon as
    their push is answered, every device connected: the most the gateway
    serves (`pushes_per_s_1`, and per gateway CPU-second: user and system time
    of the gateway process, libzmq's threads included);
@@ -565,7 +565,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         figures["rss_connected_kib_per_device"] = round((_proc_rss_kib(pid) - rss_base) / counted, 1)
         print(f"welcomed {figures['welcomed']} in {figures['connect_s']} s", file=sys.stderr)
 
-        # The most the gateway serves, every device connected: a few hundred of them push back to
+        # The most the gateway serves, every device connected: a few dozen of them push back to
         # back (all 10,000 doing so would only queue minutes of pushes: a fleet's pace is below).
         cpu0 = _proc_cpu_s(pid)
         active = -(-args.saturating // args.generators)
