@@ -777,7 +777,8 @@ class Gateway:
         head = peek_push(body, self.limits)
         if head is None:
             return False
-        state.resolve_below(head.resolved_below)
+        # Its `resolved_below` is not taken: the payload is unread, and a message that turns out
+        # malformed must change nothing (the next push or heartbeat says it again).
         verdict = verdicts.repeated(state, head, self.durable_epoch)
         if verdict is None:
             return False

@@ -31,6 +31,7 @@ from elasticfed.protocol import (
     Heartbeat,
     Hello,
     Manifest,
+    Reason,
     Reject,
     Welcome,
     encode,
@@ -116,10 +117,14 @@ class Hostile:
         if isinstance(answer, Reject):
             code = answer.code
         else:
-            assert isinstance(answer, Ack) and not answer.accepted, (
+            # A push under a seq judged before is answered with that verdict from its header alone
+            # (its payload is not read: a copy must cost less than a push), never applied again.
+            repeat = answer.code == Reason.DUPLICATE.value
+            assert isinstance(answer, Ack) and (not answer.accepted or repeat), (
                 f"a hostile message was accepted: {answer}"
             )
             code = answer.code
+            replay = replay or repeat
         if replay:
             self.duplicates += 1
         else:

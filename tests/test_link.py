@@ -120,6 +120,14 @@ def test_backoff_grows_with_full_jitter_up_to_the_cap() -> None:
     assert backoff.next_delay() <= 0.1
 
 
+def test_backoff_keeps_its_cap_however_many_tries_failed() -> None:
+    """A gateway down for hours (a reconnect each time) or a link losing 95% (a hello each try):
+    2.0 ** 1024 overflowed and the edge's I/O thread died."""
+    backoff = Backoff(first_s=0.025, cap_s=5.0)
+    delays = [backoff.next_delay() for _ in range(5000)]
+    assert all(2.5 <= d <= 5.0 for d in delays[-4000:])
+
+
 def test_recent_max_keeps_the_largest_recent_lower_bound_and_forgets_old_ones() -> None:
     rates = RecentMax(window_s=30.0)
     assert rates.value is None
